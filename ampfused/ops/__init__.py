@@ -1,0 +1,108 @@
+"""Functional layer: stateless ops over flat buffers, dispatched to a backend, registered as custom ops.
+
+Every function validates its inputs (raising before anything changes), picks a backend
+(``backend=`` > ``AMPFUSED_BACKEND`` > the device's priority list) and calls ``torch.ops.ampfused.<op>``.
+The math of each op is written in :mod:`ampfused.ops.reference`, which is the specification.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from . import checks, library, reference
+from .reference import clip_coef, reduce_partials
+from .registry import (Backend, available_backends, get_backend, register_backend, registered_backends,
+                       resolve)
+
+__all__ = [
+    "norm_check", "unscale_", "update_scale_", "adam_step_", "adamw_step_", "sgd_step_", "reduce_partials",
+    "clip_coef", "num_partials", "available_backends", "registered_backends", "register_backend", "resolve",
+    "get_backend", "Backend", "reference",
+]
+
+
+def _dtypes(*ts) -> tuple:
+    return tuple({t.dtype for t in ts if t is not None})
+
+
+def num_partials(numels: List[int], device="cpu", backend: Optional[str] = None) -> int:
+    """Columns of the ``partials`` that ``norm_check``/``unscale_`` return for gradients of these sizes."""
+    return resolve(device, (), backend).num_partials(list(numels))
+
+
+def norm_check(grads: List[Tensor], inv_scale: Tensor, *, backend: Optional[str] = None) -> Tensor:
+    """Sum of squares of ``g * inv_scale`` in fp32 and the non-finite test, without modifying ``grads``.
+
+    grads: list of tensors on one device (fp32/bf16/fp16); inv_scale: 0-d fp32. Returns partials ``[2, P]``
+    fp32 (row 0 sums of squares, row 1 non-finite flags); reduce them with :func:`reduce_partials` or pass
+    them to a step op.
+    """
+    checks.tensor("inv_scale", inv_scale, dtypes=(torch.float32,), scalar=True)
+    checks.grads_list("grads", grads, inv_scale.device)
+    b = resolve(inv_scale.device, _dtypes(*grads), backend)
+    return library.norm_check(list(grads), inv_scale, b.name)
+
+
+def unscale_(grads: List[Tensor], inv_scale: Tensor, *, backend: Optional[str] = None) -> Tensor:
+    """In place ``g *= inv_scale`` (computed in fp32, rounded to ``g``'s dtype); returns partials as
+    :func:`norm_check` of the unscaled values."""
+    checks.tensor("inv_scale", inv_scale, dtypes=(torch.float32,), scalar=True)
+    checks.grads_list("grads", grads, inv_scale.device)
+    b = resolve(inv_scale.device, _dtypes(*grads), backend)
+    return library.unscale_(list(grads), inv_scale, b.name)
+
+
+def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
+                  backoff_factor: float, growth_interval: int, *, backend: Optional[str] = None) -> None:
+    """torch's dynamic loss-scale update on device tensors (scale 0-d fp32, tracker 0-d int32, found_inf
+    0-d fp32), bit for bit, without a host read."""
+    checks.tensor("scale", scale, dtypes=(torch.float32,), scalar=True)
+    checks.tensor("growth_tracker", growth_tracker, dtypes=(torch.int32,), scalar=True, device=scale.device)
+    checks.tensor("found_inf", found_inf, dtypes=(torch.float32,), scalar=True, device=scale.device)
+    checks.scalars(growth_factor=growth_factor, backoff_factor=backoff_factor)
+    b = resolve(scale.device, (), backend)
+    library.update_scale_(scale, growth_tracker, found_inf, float(growth_factor), float(backoff_factor),
+                          int(growth_interval), b.name)
+
+
+def adam_step_(param: Tensor, grad: Tensor, master: Optional[Tensor], exp_avg: Tensor, exp_avg_sq: Tensor,
+               step: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, *,
+               beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+               max_norm: float = math.inf, decoupled: bool = False, maximize: bool = False,
+               backend: Optional[str] = None) -> None:
+    """Fused Adam/AdamW step over flat buffers; math and tensors in :func:`reference.adam_step_`."""
+    checks.step_inputs(param, grad, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], step,
+                       partials, inv_scale, lr, out_stats)
+    checks.scalars(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, max_norm=max_norm)
+    b = resolve(param.device, _dtypes(param, grad, master), backend)
+    library.adam_step_(param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr, out_stats,
+                       float(beta1), float(beta2), float(eps), float(weight_decay), float(max_norm),
+                       bool(decoupled), bool(maximize), b.name)
+
+
+def adamw_step_(param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr, out_stats, *,
+                beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2, max_norm=math.inf, maximize=False,
+                backend=None) -> None:
+    """Fused AdamW step (decoupled weight decay); see :func:`adam_step_`."""
+    adam_step_(param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr, out_stats,
+               beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, max_norm=max_norm,
+               decoupled=True, maximize=maximize, backend=backend)
+
+
+def sgd_step_(param: Tensor, grad: Tensor, master: Optional[Tensor], momentum_buf: Optional[Tensor],
+              step: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, *,
+              momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
+              max_norm: float = math.inf, maximize: bool = False, backend: Optional[str] = None) -> None:
+    """Fused SGD step over flat buffers; math and tensors in :func:`reference.sgd_step_`."""
+    states = [("momentum_buf", momentum_buf)] if momentum != 0 else []
+    if momentum != 0 and momentum_buf is None:
+        raise ValueError("momentum_buf is required when momentum != 0")
+    checks.step_inputs(param, grad, master, states, step, partials, inv_scale, lr, out_stats)
+    checks.scalars(momentum=momentum, dampening=dampening, weight_decay=weight_decay, max_norm=max_norm)
+    b = resolve(param.device, _dtypes(param, grad, master), backend)
+    library.sgd_step_(param, grad, master, momentum_buf if momentum != 0 else None, step, partials, inv_scale,
+                      lr, out_stats, float(momentum), float(dampening), float(weight_decay), bool(nesterov),
+                      float(max_norm), bool(maximize), b.name)

@@ -1,0 +1,73 @@
+"""The ops as ``torch.library`` custom ops (``torch.ops.ampfused.*``), each with a fake implementation.
+
+The backend is resolved in Python before the op is called and passed by name, so a compiled graph holds
+one opaque call per op and a step under ``torch.compile(fullgraph=True)`` has no graph break.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from .registry import get_backend
+
+
+@torch.library.custom_op("ampfused::norm_check", mutates_args=())
+def norm_check(grads: List[Tensor], inv_scale: Tensor, backend: str) -> Tensor:
+    return get_backend(backend).norm_check(grads, inv_scale)
+
+
+@norm_check.register_fake
+def _(grads, inv_scale, backend):
+    return inv_scale.new_empty(2, get_backend(backend).num_partials([g.numel() for g in grads]))
+
+
+@torch.library.custom_op("ampfused::unscale_", mutates_args=("grads",))
+def unscale_(grads: List[Tensor], inv_scale: Tensor, backend: str) -> Tensor:
+    return get_backend(backend).unscale_(grads, inv_scale)
+
+
+@unscale_.register_fake
+def _(grads, inv_scale, backend):
+    return inv_scale.new_empty(2, get_backend(backend).num_partials([g.numel() for g in grads]))
+
+
+@torch.library.custom_op("ampfused::update_scale_", mutates_args=("scale", "growth_tracker"))
+def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
+                  backoff_factor: float, growth_interval: int, backend: str) -> None:
+    get_backend(backend).update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor,
+                                       growth_interval)
+
+
+@update_scale_.register_fake
+def _(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval, backend):
+    return None
+
+
+@torch.library.custom_op("ampfused::adam_step_",
+                         mutates_args=("param", "master", "exp_avg", "exp_avg_sq", "step", "out_stats"))
+def adam_step_(param: Tensor, grad: Tensor, master: Optional[Tensor], exp_avg: Tensor, exp_avg_sq: Tensor,
+               step: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta1: float,
+               beta2: float, eps: float, weight_decay: float, max_norm: float, decoupled: bool, maximize: bool,
+               backend: str) -> None:
+    get_backend(backend).adam_step_(param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr,
+                                    out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize)
+
+
+@adam_step_.register_fake
+def _(*args):
+    return None
+
+
+@torch.library.custom_op("ampfused::sgd_step_", mutates_args=("param", "master", "momentum_buf", "step", "out_stats"))
+def sgd_step_(param: Tensor, grad: Tensor, master: Optional[Tensor], momentum_buf: Optional[Tensor], step: Tensor,
+              partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, momentum: float, dampening: float,
+              weight_decay: float, nesterov: bool, max_norm: float, maximize: bool, backend: str) -> None:
+    get_backend(backend).sgd_step_(param, grad, master, momentum_buf, step, partials, inv_scale, lr, out_stats,
+                                   momentum, dampening, weight_decay, nesterov, max_norm, maximize)
+
+
+@sgd_step_.register_fake
+def _(*args):
+    return None

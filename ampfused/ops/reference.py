@@ -1,0 +1,225 @@
+"""Plain-torch implementation of every ampfused op: the specification.
+
+Each function here is written to be read. Fast backends (Triton, CPU, CUDA) must produce the same results
+within the tolerance rule of the design (2x the error of the fp32 reference against an fp64 computation,
+with a small absolute floor), and bitwise-identical results run to run.
+
+Conventions shared by every backend
+-----------------------------------
+* Flat buffers are 1-D contiguous tensors. ``grad`` is fp32, bf16 or fp16. ``param`` is the model's copy
+  (fp32, bf16 or fp16). ``master`` is the fp32 master copy, or ``None`` when ``param`` itself is the
+  compute-precision copy. Optimizer states (``exp_avg``, ``exp_avg_sq``, ``momentum_buf``) have the compute
+  dtype: ``master.dtype`` when a master exists, else ``param.dtype``. The reference also accepts fp64
+  here, which is how tests build the fp64 oracle.
+* ``partials`` is an fp32 tensor of shape ``[2, P]``: row 0 holds partial sums of squares of the unscaled
+  gradients, row 1 holds non-finite flags (1.0 where a non-finite element was seen, else 0.0). Any ``[2, P]``
+  tensor is valid input to the update ops, so a caller holding an already reduced norm and flag (after an
+  all-reduce, or from ``unscale_``) passes ``[[norm_sq], [found_inf]]``. ``P`` is backend-specific and given
+  by ``num_partials``; the reference uses one partial per gradient tensor.
+* ``inv_scale``, ``lr`` and ``step`` are 0-d fp32 device tensors, so nothing is read to the host and
+  changing them never recompiles a kernel. ``inv_scale`` may also hold ``1 / (scale * grad_divisor)``.
+* A step whose gradients hold a non-finite value changes nothing (param, master, states, step) and reports
+  ``found_inf = 1`` in ``out_stats``.
+* ``max_norm = inf`` means no clipping; clipping follows ``torch.nn.utils.clip_grad_norm_``:
+  ``coef = min(1, max_norm / (norm + 1e-6))``.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds this to the norm
+
+
+def num_partials(numels: List[int]) -> int:
+    """Number of columns of the ``partials`` tensor produced for gradient buffers of these sizes."""
+    return len(numels)
+
+
+def _sumsq_and_flag(g: Tensor, inv_scale: Tensor) -> tuple[Tensor, Tensor]:
+    u = g.float() * inv_scale
+    finite = torch.isfinite(g).all()
+    return (u * u).sum(), (~finite).float()
+
+
+def norm_check(grads: List[Tensor], inv_scale: Tensor) -> Tensor:
+    """Per-tensor sum of squares of ``g * inv_scale`` (fp32) and per-tensor non-finite flags.
+
+    grads: list of tensors (any shape, fp32/bf16/fp16), not modified. inv_scale: 0-d fp32.
+    Returns partials ``[2, len(grads)]`` fp32. The non-finite test is per element: a finite gradient whose
+    square overflows fp32 gives an infinite norm but no flag.
+    """
+    out = torch.zeros(2, len(grads), dtype=torch.float32, device=inv_scale.device)
+    for i, g in enumerate(grads):
+        s, f = _sumsq_and_flag(g, inv_scale)
+        out[0, i] = s
+        out[1, i] = f
+    return out
+
+
+def unscale_(grads: List[Tensor], inv_scale: Tensor) -> Tensor:
+    """In place ``g = round_to_dtype(fp32(g) * inv_scale)``; returns partials of the unscaled values.
+
+    Matches ``torch._amp_foreach_non_finite_check_and_unscale_`` for fp32 gradients bit for bit (one fp32
+    multiply) and extends it to bf16/fp16 gradients (multiply in fp32, round to nearest even). Gradients
+    holding infs or NaNs are still multiplied, as torch does; the flag tells the step to skip.
+    """
+    out = torch.zeros(2, len(grads), dtype=torch.float32, device=inv_scale.device)
+    for i, g in enumerate(grads):
+        f = (~torch.isfinite(g).all()).float()
+        u = g.float() * inv_scale
+        g.copy_(u)
+        out[0, i] = (u * u).sum()
+        out[1, i] = f
+    return out
+
+
+def reduce_partials(partials: Tensor) -> tuple[Tensor, Tensor]:
+    """``(norm, found_inf)``: sqrt of the summed squares, and 1.0 if any flag is set (both 0-d fp32)."""
+    norm = partials[0].sum().sqrt()
+    found_inf = (partials[1].amax() > 0).float() if partials.shape[1] else partials.new_zeros(())
+    return norm, found_inf
+
+
+def clip_coef(norm: Tensor, max_norm: float) -> Tensor:
+    """``min(1, max_norm / (norm + 1e-6))`` as in ``clip_grad_norm_``; exactly 1 when ``max_norm`` is inf."""
+    if math.isinf(max_norm):
+        return torch.ones_like(norm)
+    return torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
+
+
+def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
+                  backoff_factor: float, growth_interval: int) -> None:
+    """torch's dynamic loss-scale rule, bit for bit (``torch._amp_update_scale_``), without a host read.
+
+    scale: 0-d fp32; growth_tracker: 0-d int32; found_inf: 0-d fp32 (> 0 means overflow). In place:
+    on overflow ``scale *= backoff_factor`` and the tracker resets; otherwise the tracker counts up and, when
+    it reaches ``growth_interval``, ``scale *= growth_factor`` (only while the result stays finite) and the
+    tracker resets. Products are formed in fp64 and rounded once to fp32, as torch's kernels do.
+    """
+    overflow = found_inf > 0
+    successful = growth_tracker + 1
+    grow = (~overflow) & (successful == growth_interval)
+    grown = (scale.double() * growth_factor).float()
+    backed_off = (scale.double() * backoff_factor).float()
+    new_scale = torch.where(overflow, backed_off,
+                            torch.where(grow & torch.isfinite(grown), grown, scale))
+    new_tracker = torch.where(overflow | grow, torch.zeros_like(successful), successful)
+    scale.copy_(new_scale)
+    growth_tracker.copy_(new_tracker)
+
+
+def bias_correction(beta: float, step: Tensor) -> Tensor:
+    """``1 - beta**step`` computed as ``-expm1(step * log(beta))`` so small steps keep their precision."""
+    return -torch.expm1(step * math.log(beta))
+
+
+def _prologue(partials: Tensor, inv_scale: Tensor, max_norm: float, out_stats: Tensor,
+              compute_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Reduce partials, record ``[norm, found_inf]`` in ``out_stats``; return ``(coef, skip)`` (0-d)."""
+    norm, found_inf = reduce_partials(partials)
+    out_stats[0] = norm
+    out_stats[1] = found_inf
+    coef = inv_scale.to(compute_dtype) * clip_coef(norm.to(compute_dtype), max_norm)
+    return coef, found_inf > 0
+
+
+def _compute_copy(param: Tensor, master: Optional[Tensor]) -> Tensor:
+    return master if master is not None else param
+
+
+def _commit(skip: Tensor, pairs) -> None:
+    """Write each new value over its tensor unless the step is skipped (no host read)."""
+    for dst, new in pairs:
+        dst.copy_(torch.where(skip, dst, new))
+
+
+def adam_step_(param: Tensor, grad: Tensor, master: Optional[Tensor], exp_avg: Tensor, exp_avg_sq: Tensor,
+               step: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
+               beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float,
+               decoupled: bool, maximize: bool = False) -> None:
+    """One Adam (``decoupled=False``, L2 decay) or AdamW (``decoupled=True``) step over flat buffers.
+
+    With ``c = inv_scale * min(1, max_norm / (norm + 1e-6))`` and ``w`` the master (or param) copy::
+
+        g = c * grad                      (in the compute dtype; negated if maximize)
+        t = step + 1
+        AdamW: w = w * (1 - lr * weight_decay)      Adam: g = g + weight_decay * w
+        m = m + (1 - beta1) * (g - m)
+        v = beta2 * v + (1 - beta2) * g * g
+        w = w - (lr / (1 - beta1**t)) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+        param = round_to_nearest_even(w)  (when a master exists)
+        step = t
+
+    Tensors: param, grad, master, exp_avg, exp_avg_sq are 1-D with equal numel; step, lr, inv_scale are 0-d
+    fp32; out_stats is ``[2]`` fp32 receiving ``[norm, found_inf]``. Nothing changes when found_inf.
+    """
+    w = _compute_copy(param, master)
+    cd = w.dtype
+    coef, skip = _prologue(partials, inv_scale, max_norm, out_stats, cd)
+    g = grad.to(cd) * coef
+    if maximize:
+        g = -g
+    t = step.to(cd) + 1
+    lr_c = lr.to(cd)
+    w_new = w
+    if weight_decay != 0:
+        if decoupled:
+            w_new = w * (1 - lr_c * weight_decay)
+        else:
+            g = g + weight_decay * w
+    m_new = torch.lerp(exp_avg, g, 1 - beta1)
+    v_new = exp_avg_sq * beta2 + (1 - beta2) * g * g
+    step_size = lr_c / bias_correction(beta1, t)
+    denom = v_new.sqrt() / bias_correction(beta2, t).sqrt() + eps
+    w_new = w_new - step_size * m_new / denom
+    _commit(skip, [(exp_avg, m_new), (exp_avg_sq, v_new), (w, w_new)])
+    if master is not None:
+        _commit(skip, [(param, w_new.to(param.dtype))])
+    step.add_((~skip).to(step.dtype))
+
+
+def adamw_step_(param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr, out_stats,
+                beta1, beta2, eps, weight_decay, max_norm, maximize=False) -> None:
+    """AdamW (decoupled weight decay); see :func:`adam_step_`."""
+    adam_step_(param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr, out_stats,
+               beta1, beta2, eps, weight_decay, max_norm, True, maximize)
+
+
+def sgd_step_(param: Tensor, grad: Tensor, master: Optional[Tensor], momentum_buf: Optional[Tensor],
+              step: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
+              momentum: float, dampening: float, weight_decay: float, nesterov: bool, max_norm: float,
+              maximize: bool = False) -> None:
+    """One SGD step with torch's semantics over flat buffers.
+
+    ::
+
+        g = c * grad  (negated if maximize);  g = g + weight_decay * w
+        if momentum: b = g on the first step (step == 0), else b = momentum * b + (1 - dampening) * g
+                     g = g + momentum * b if nesterov else b
+        w = w - lr * g;  param = round(w);  step = step + 1
+
+    ``momentum_buf`` is required (compute dtype, same numel) when ``momentum != 0``, else ignored.
+    """
+    w = _compute_copy(param, master)
+    cd = w.dtype
+    coef, skip = _prologue(partials, inv_scale, max_norm, out_stats, cd)
+    g = grad.to(cd) * coef
+    if maximize:
+        g = -g
+    if weight_decay != 0:
+        g = g + weight_decay * w
+    pairs = []
+    if momentum != 0:
+        b_new = torch.where(step == 0, g, momentum_buf * momentum + (1 - dampening) * g)
+        pairs.append((momentum_buf, b_new))
+        g = g + momentum * b_new if nesterov else b_new
+    w_new = w - lr.to(cd) * g
+    pairs.append((w, w_new))
+    _commit(skip, pairs)
+    if master is not None:
+        _commit(skip, [(param, w_new.to(param.dtype))])
+    step.add_((~skip).to(step.dtype))
