@@ -7,12 +7,13 @@ The math of each op is written in :mod:`ampfused.ops.reference`, which is the sp
 from __future__ import annotations
 
 import math
+import os
 from typing import List, Optional
 
 import torch
 from torch import Tensor
 
-from . import checks, library, reference
+from . import checks, library, reference, registry
 from .reference import clip_coef, reduce_partials
 from .registry import (Backend, available_backends, get_backend, register_backend, registered_backends,
                        resolve)
@@ -25,7 +26,26 @@ __all__ = [
 
 
 def _dtypes(*ts) -> tuple:
-    return tuple({t.dtype for t in ts if t is not None})
+    return tuple(sorted({str(t.dtype) for t in ts if t is not None}))
+
+
+_resolved: dict = {}
+
+
+@torch.compiler.assume_constant_result
+def _backend_name(device: str, dtypes: tuple, backend: Optional[str]) -> str:
+    # Resolved in Python at trace time: a compiled step holds the chosen name as a constant. Eager calls hit
+    # a cache keyed by everything the choice depends on (a failed choice is not cached: it raises each time).
+    key = (device, dtypes, backend, os.environ.get(registry.ENV_VAR), registry.generation())
+    name = _resolved.get(key)
+    if name is None:
+        name = resolve(device, tuple(getattr(torch, d.split(".")[-1]) for d in dtypes), backend).name
+        _resolved[key] = name
+    return name
+
+
+def _pick(device: torch.device, dtypes: tuple, backend: Optional[str]) -> str:
+    return _backend_name(str(device), dtypes, backend)
 
 
 def num_partials(numels: List[int], device="cpu", backend: Optional[str] = None) -> int:
@@ -42,8 +62,7 @@ def norm_check(grads: List[Tensor], inv_scale: Tensor, *, backend: Optional[str]
     """
     checks.tensor("inv_scale", inv_scale, dtypes=(torch.float32,), scalar=True)
     checks.grads_list("grads", grads, inv_scale.device)
-    b = resolve(inv_scale.device, _dtypes(*grads), backend)
-    return library.norm_check(list(grads), inv_scale, b.name)
+    return library.norm_check(list(grads), inv_scale, _pick(inv_scale.device, _dtypes(*grads), backend))
 
 
 def unscale_(grads: List[Tensor], inv_scale: Tensor, *, backend: Optional[str] = None) -> Tensor:
@@ -51,8 +70,7 @@ def unscale_(grads: List[Tensor], inv_scale: Tensor, *, backend: Optional[str] =
     :func:`norm_check` of the unscaled values."""
     checks.tensor("inv_scale", inv_scale, dtypes=(torch.float32,), scalar=True)
     checks.grads_list("grads", grads, inv_scale.device)
-    b = resolve(inv_scale.device, _dtypes(*grads), backend)
-    return library.unscale_(list(grads), inv_scale, b.name)
+    return library.unscale_(list(grads), inv_scale, _pick(inv_scale.device, _dtypes(*grads), backend))
 
 
 def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
@@ -63,9 +81,8 @@ def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, grow
     checks.tensor("growth_tracker", growth_tracker, dtypes=(torch.int32,), scalar=True, device=scale.device)
     checks.tensor("found_inf", found_inf, dtypes=(torch.float32,), scalar=True, device=scale.device)
     checks.scalars(growth_factor=growth_factor, backoff_factor=backoff_factor)
-    b = resolve(scale.device, (), backend)
     library.update_scale_(scale, growth_tracker, found_inf, float(growth_factor), float(backoff_factor),
-                          int(growth_interval), b.name)
+                          int(growth_interval), _pick(scale.device, (), backend))
 
 
 def adam_step_(param: Tensor, grad: Tensor, master: Optional[Tensor], exp_avg: Tensor, exp_avg_sq: Tensor,
@@ -77,10 +94,10 @@ def adam_step_(param: Tensor, grad: Tensor, master: Optional[Tensor], exp_avg: T
     checks.step_inputs(param, grad, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], step,
                        partials, inv_scale, lr, out_stats)
     checks.scalars(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, max_norm=max_norm)
-    b = resolve(param.device, _dtypes(param, grad, master), backend)
+    name = _pick(param.device, _dtypes(param, grad, master), backend)
     library.adam_step_(param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr, out_stats,
                        float(beta1), float(beta2), float(eps), float(weight_decay), float(max_norm),
-                       bool(decoupled), bool(maximize), b.name)
+                       bool(decoupled), bool(maximize), name)
 
 
 def adamw_step_(param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr, out_stats, *,
@@ -102,7 +119,7 @@ def sgd_step_(param: Tensor, grad: Tensor, master: Optional[Tensor], momentum_bu
         raise ValueError("momentum_buf is required when momentum != 0")
     checks.step_inputs(param, grad, master, states, step, partials, inv_scale, lr, out_stats)
     checks.scalars(momentum=momentum, dampening=dampening, weight_decay=weight_decay, max_norm=max_norm)
-    b = resolve(param.device, _dtypes(param, grad, master), backend)
+    name = _pick(param.device, _dtypes(param, grad, master), backend)
     library.sgd_step_(param, grad, master, momentum_buf if momentum != 0 else None, step, partials, inv_scale,
                       lr, out_stats, float(momentum), float(dampening), float(weight_decay), bool(nesterov),
-                      float(max_norm), bool(maximize), b.name)
+                      float(max_norm), bool(maximize), name)

@@ -25,6 +25,11 @@ _MODULES: Dict[str, str] = {
 PRIORITY: Dict[str, List[str]] = {"cuda": ["cuda", "triton", "reference"], "cpu": ["cpu", "reference"]}
 _loaded: Dict[str, "Backend"] = {}
 _import_errors: Dict[str, str] = {}
+_generation = [0]  # bumped whenever the set of backends changes, so cached choices are dropped
+
+
+def generation() -> int:
+    return _generation[0]
 
 
 class Backend:
@@ -55,6 +60,7 @@ class Backend:
 def register_backend(name: str, module: str) -> None:
     """Make a backend module (defining ``BACKEND``) selectable by name."""
     _MODULES[name] = module
+    _generation[0] += 1
     _loaded.pop(name, None)
     _import_errors.pop(name, None)
 

@@ -1,0 +1,218 @@
+"""Fused-optimizer behaviour: skipped steps change nothing, flat buffers, awkward sizes, lr handling,
+the long loop with torch's scaler and clip, torch.compile and the custom ops."""
+import math
+import warnings
+
+import pytest
+import torch
+
+import ampfused
+from ampfused import ops
+from backends import cpu_backends
+from oracle import assert_bitwise
+
+
+def _snapshot(opt, params):
+    snap = [p.detach().clone() for p in params]
+    for seg in opt._segments:
+        snap += [seg.step.clone()] + [t.clone() for t in seg.states.values()]
+        if seg.master is not None:
+            snap.append(seg.master.clone())
+    return snap
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+@pytest.mark.parametrize("make", [
+    lambda ps, b: ampfused.FusedAdamW(ps, lr=1e-2, max_grad_norm=1.0, backend=b),
+    lambda ps, b: ampfused.FusedAdam(ps, lr=1e-2, weight_decay=0.1, backend=b),
+    lambda ps, b: ampfused.FusedSGD(ps, lr=0.1, momentum=0.9, backend=b),
+], ids=["adamw", "adam", "sgd"])
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_skipped_step_changes_nothing(make, bad, backend):
+    params = [torch.randn(6, 5, dtype=torch.bfloat16, requires_grad=True), torch.randn(3, requires_grad=True)]
+    opt = make(params, backend)
+    for p in params:
+        p.grad.copy_(torch.randn_like(p))
+    opt.step()  # so that states are non-trivial
+    before = _snapshot(opt, params)
+    for p in params:
+        p.grad.copy_(torch.randn_like(p))
+    params[0].grad[2, 3] = bad
+    opt.step()
+    assert bool(opt.last_step_skipped) and opt.last_found_inf.item() == 1.0
+    for i, (a, b) in enumerate(zip(before, _snapshot(opt, params))):
+        assert_bitwise(f"tensor {i}", a, b)
+    for p in params:
+        p.grad.copy_(torch.randn_like(p))
+    opt.step()
+    assert not bool(opt.last_step_skipped)
+    assert opt._segments[0].step.item() == 2
+
+
+def test_params_and_grads_are_views_into_flat_buffers():
+    params = [torch.randn(3, 3, dtype=torch.bfloat16, requires_grad=True),
+              torch.randn(5, dtype=torch.bfloat16, requires_grad=True), torch.randn(2, requires_grad=True)]
+    values = [p.detach().clone() for p in params]
+    opt = ampfused.FusedAdamW(params)
+    bf16 = [s for s in opt._segments if s.flat.dtype == torch.bfloat16][0]
+    for p, v in zip(params, values):
+        assert torch.equal(p.detach(), v)
+    assert params[0].data_ptr() == bf16.flat.data.data_ptr()
+    assert params[1].grad.data_ptr() % 16 == 0 and params[1].data_ptr() % 16 == 0
+    assert len(opt._segments) == 2 and opt._segments[1].master is None  # fp32 params need no master
+    loss = sum((p.float() ** 2).sum() for p in params)
+    loss.backward()
+    assert torch.equal(params[0].grad, 2 * params[0].detach())
+    assert bf16.flat.grad.abs().sum() > 0
+    opt.zero_grad()
+    assert bf16.flat.grad.abs().sum() == 0 and params[0].grad is not None
+    assert params[0].grad.data_ptr() == bf16.flat.grad.data_ptr()
+
+
+def test_replaced_grad_is_copied_in_with_one_warning():
+    model = torch.nn.Linear(4, 3).bfloat16()
+    opt = ampfused.FusedSGD(model.parameters(), lr=0.1)
+    ref = torch.nn.Linear(4, 3).bfloat16()
+    ref.load_state_dict(model.state_dict())
+    master = [p.detach().float() for p in ref.parameters()]
+    x = torch.randn(8, 4, dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            model(x).float().sum().backward()
+            opt.step()
+            ref.zero_grad()
+            ref(x).float().sum().backward()
+            for m, p in zip(master, ref.parameters()):
+                m.sub_(0.1 * p.grad.float())
+                p.data.copy_(m)
+    assert sum("flat gradient buffer" in str(x.message) for x in w) == 1
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_grad_of_unused_param_reads_as_zero():
+    params = [torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)]
+    opt = ampfused.FusedSGD(params, lr=1.0)
+    params[0].grad.fill_(1.0)
+    params[1].grad = None
+    before = params[1].detach().clone()
+    opt.step()
+    assert torch.equal(params[1].detach(), before)
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+@pytest.mark.parametrize("sizes", [[1], [127], [65537], [1] * 1000, [3, 70001, 5]], ids=["1", "127", "65537", "1000x1", "mixed"])
+def test_awkward_sizes_match_reference(sizes, backend):
+    if backend == "triton" and sum(sizes) > 70000:
+        sizes = sizes  # the interpreter handles these sizes in a few seconds
+    torch.manual_seed(3)
+    p_ref = [torch.randn(n, dtype=torch.bfloat16, requires_grad=True) for n in sizes]
+    p_new = [p.detach().clone().requires_grad_() for p in p_ref]
+    o_ref = ampfused.FusedAdamW(p_ref, lr=1e-2, max_grad_norm=0.5, backend="reference")
+    o_new = ampfused.FusedAdamW(p_new, lr=1e-2, max_grad_norm=0.5, backend=backend)
+    for _ in range(2):
+        for a, b in zip(p_ref, p_new):
+            g = torch.randn_like(a)
+            a.grad.copy_(g)
+            b.grad.copy_(g)
+        o_ref.step()
+        o_new.step()
+        torch.testing.assert_close(o_new.last_grad_norm, o_ref.last_grad_norm, rtol=1e-5, atol=0)
+        m_ref, m_new = o_ref._segments[0].master, o_new._segments[0].master
+        torch.testing.assert_close(m_new, m_ref, rtol=2e-6, atol=1e-7)
+
+
+def test_lr_float_tensor_and_scheduler():
+    params = [torch.randn(10, requires_grad=True)]
+    opt = ampfused.FusedSGD(params, lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+    w = params[0].detach().clone()
+    for k in range(3):
+        params[0].grad.fill_(1.0)
+        opt.step()
+        sched.step()
+        w -= 0.5 * 0.1 ** k
+    torch.testing.assert_close(params[0].detach(), w)
+    params2 = [torch.randn(10, requires_grad=True)]
+    lr = torch.tensor(0.25)
+    opt2 = ampfused.FusedSGD(params2, lr=lr)
+    w2 = params2[0].detach().clone()
+    params2[0].grad.fill_(1.0)
+    opt2.step()
+    lr.fill_(0.125)
+    opt2.step()
+    torch.testing.assert_close(params2[0].detach(), w2 - 0.375)
+
+
+def test_bf16_training_without_scaler_reports_norm_and_clips():
+    params = [torch.randn(50, dtype=torch.bfloat16, requires_grad=True)]
+    opt = ampfused.FusedSGD(params, lr=1.0, max_grad_norm=1.0)
+    master = opt.state[params[0]]["master_param"].clone()
+    g = torch.randn(50, dtype=torch.bfloat16) * 10
+    params[0].grad.copy_(g)
+    opt.step()
+    norm = g.float().norm()
+    torch.testing.assert_close(opt.last_grad_norm, norm)
+    torch.testing.assert_close(opt.state[params[0]]["master_param"], master - g.float() * (1.0 / (norm + 1e-6)))
+
+
+def test_long_loop_with_torch_scaler_unscale_and_torch_clip():
+    """scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_; scaler.step(opt): grads seen unscaled, clip once."""
+    torch.manual_seed(0)
+    init = [torch.randn(8, 4), torch.randn(4)]
+    fparams = [w.bfloat16().requires_grad_() for w in init]
+    fopt = ampfused.FusedSGD(fparams, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    scaler.scale(torch.ones(()))
+    grads = [torch.randn_like(w) for w in init]
+    for p, g in zip(fparams, grads):
+        p.grad.copy_((g * 256).bfloat16())
+    scaler.unscale_(fopt)
+    torch.testing.assert_close(fparams[0].grad.float(), (grads[0] * 256).bfloat16().float() / 256)
+    norm = torch.nn.utils.clip_grad_norm_(fparams, 0.5)
+    scaler.step(fopt)
+    scaler.update()
+    clipped = torch.cat([p.grad.float().flatten() for p in fparams])  # the step never writes grads back
+    torch.testing.assert_close(clipped.norm(), torch.tensor(0.5), rtol=1e-2, atol=0)  # torch clipped them
+    torch.testing.assert_close(fopt.last_grad_norm, clipped.norm())  # the step measured what it used
+    master0 = torch.cat([w.bfloat16().float().flatten() for w in init])
+    got = torch.cat([fopt.state[p]["master_param"].flatten() for p in fparams])
+    torch.testing.assert_close(got, master0 - 0.1 * clipped)  # unscaled once, clipped once
+
+
+def test_step_under_torch_compile_fullgraph():
+    params = [torch.randn(5, 4, dtype=torch.bfloat16, requires_grad=True), torch.randn(9, requires_grad=True)]
+    eager_params = [p.detach().clone().requires_grad_() for p in params]
+    opt = ampfused.FusedAdamW(params, lr=torch.tensor(1e-2), max_grad_norm=1.0)
+    eager = ampfused.FusedAdamW(eager_params, lr=torch.tensor(1e-2), max_grad_norm=1.0)
+    compiled = torch.compile(opt.step, fullgraph=True)
+    for k in range(3):
+        for p, q in zip(params, eager_params):
+            g = torch.randn_like(p)
+            p.grad.copy_(g)
+            q.grad.copy_(g)
+        compiled()
+        eager.step()
+    for p, q in zip(params, eager_params):
+        assert_bitwise("compiled vs eager", p.detach(), q.detach())
+    assert opt._segments[0].step.item() == 3
+
+
+def test_custom_ops_pass_opcheck():
+    from torch.library import opcheck
+    n = 33
+    p, g = torch.randn(n, dtype=torch.bfloat16), torch.randn(n, dtype=torch.bfloat16)
+    master, m, v = p.float(), torch.zeros(n), torch.zeros(n)
+    inv, lr, st, step = torch.tensor(0.5), torch.tensor(1e-3), torch.zeros(2), torch.zeros(())
+    for b in cpu_backends():
+        part = ops.norm_check([g], inv, backend=b)
+        opcheck(torch.ops.ampfused.norm_check.default, ([g, g[:7]], inv, b))
+        opcheck(torch.ops.ampfused.unscale_.default, ([g.clone()], inv, b))
+        opcheck(torch.ops.ampfused.adam_step_.default,
+                (p, g, master, m, v, step, part, inv, lr, st, 0.9, 0.999, 1e-8, 0.01, 1.0, True, False, b))
+        opcheck(torch.ops.ampfused.sgd_step_.default,
+                (p, g, master, m, step, part, inv, lr, st, 0.9, 0.0, 0.0, True, math.inf, False, b))
+        opcheck(torch.ops.ampfused.update_scale_.default,
+                (torch.tensor(8.0), torch.zeros((), dtype=torch.int32), torch.tensor(0.0), 2.0, 0.5, 2, b))
