@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .. import ops
 from ..flat import FlatBuffer
+from ..guard import SpikeGuard
 from ._state import export_state_dict, import_state_dict
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -49,6 +50,7 @@ def _check_params(params) -> List[dict]:
     for gi, g in enumerate(groups):
         ps = g["params"]
         ps = [ps] if isinstance(ps, Tensor) else list(ps)
+        ps = [p[1] if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) else p for p in ps]
         for p in ps:
             name = f"param_groups[{gi}] parameter of shape {tuple(p.shape)}" if isinstance(p, Tensor) else ""
             if not isinstance(p, Tensor):
@@ -81,6 +83,11 @@ def _check_lr(lr) -> None:
         raise ValueError(f"Invalid learning rate: {lr}")
 
 
+def _append_flag(partials: Tensor, flag: Tensor) -> Tensor:
+    """Partials with one more column ``[0, flag]``: a flag > 0 makes the update skip."""
+    return torch.cat([partials, torch.stack([torch.zeros_like(flag), flag])[:, None]], 1)
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """Base class of the fused optimizers; subclasses define the state buffers and call the update op."""
 
@@ -89,8 +96,13 @@ class FusedOptimizer(torch.optim.Optimizer):
     state_names: tuple = ()
 
     def __init__(self, params, defaults: dict, *, max_grad_norm: Optional[float], master_weights: Optional[bool],
-                 backend: Optional[str]):
+                 backend: Optional[str], spike_guard: Optional[SpikeGuard] = None, track_nonfinite: bool = False,
+                 module: Optional[torch.nn.Module] = None):
         groups = _check_params(params)
+        if spike_guard is not None and not isinstance(spike_guard, SpikeGuard):
+            raise TypeError(f"spike_guard must be an ampfused.SpikeGuard, got {type(spike_guard).__name__}")
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module (used to name parameters), got {type(module).__name__}")
         _check_lr(defaults["lr"])
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
                                           or not max_grad_norm > 0 or math.isinf(max_grad_norm)):
@@ -101,6 +113,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if master_weights is False:
             for g in groups:
                 for p in ([g["params"]] if isinstance(g["params"], Tensor) else g["params"]):
+                    p = p[1] if isinstance(p, tuple) else p
                     if p.dtype in LOW_PRECISION:
                         raise ValueError(f"master_weights=False with a {p.dtype} parameter of shape "
                                          f"{tuple(p.shape)}: low-precision parameters need fp32 master weights")
@@ -111,12 +124,18 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._segments: List[_Segment] = []
         self._partials_cache = None  # (partials, grad versions) left by _ampfused_unscale_ / fold clip
         self._pending_clip: Optional[float] = None
+        self.spike_guard = spike_guard
+        self.track_nonfinite = bool(track_nonfinite)
+        self._module_names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
+        self._nonfinite: List[Tensor] = []  # per segment: non-finite element count of each parameter
+        self._calls = 0  # step() calls since construction or load (host counter; steps taken live on device)
         defaults = dict(defaults, max_grad_norm=max_grad_norm)
         super().__init__(groups, defaults)
         dev = self._segments[0].flat.device if self._segments else torch.device("cpu")
         self._stats = torch.zeros(2, dtype=torch.float32, device=dev)  # [norm, found_inf] of the last step
         self._one = torch.ones((), dtype=torch.float32, device=dev)
-        self._inv_scale = torch.ones((), dtype=torch.float32, device=dev)
+        self._overflow = torch.zeros((), dtype=torch.float32, device=dev)  # found_inf alone, when a guard runs
+        self._steps_at_load = torch.zeros((), dtype=torch.float32, device=dev)
 
     # --- construction -------------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -135,6 +154,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             cd_like = master if master is not None else flat.data
             states = {name: torch.zeros_like(cd_like) for name in self.state_names}
             seg = _Segment(gi, flat, master, states)
+            ends = flat.offsets[1:] + [flat.numel]
+            seg.lengths = torch.tensor([e - o for o, e in zip(flat.offsets, ends)], device=flat.device)
             self._segments.append(seg)
             owner = weakref.ref(self)
             for p, *views in zip(ps, *(flat.views(t) for t in states.values()),
@@ -171,7 +192,22 @@ class FusedOptimizer(torch.optim.Optimizer):
             seg.lr_value = lr
         return seg.lr
 
-    def _partials_and_inv_scale(self):
+    def _divide(self, inv_scale: Tensor, grad_divisor) -> Tensor:
+        """Fold a gradient-accumulation divisor into the unscale coefficient (no extra pass)."""
+        if grad_divisor is None:
+            return inv_scale
+        if isinstance(grad_divisor, Tensor):
+            if grad_divisor.numel() != 1 or not grad_divisor.is_floating_point() and grad_divisor.dtype not in (
+                    torch.int32, torch.int64):
+                raise ValueError("grad_divisor must be a number or a 1-element float/int tensor, got "
+                                 f"{grad_divisor.dtype} tensor of shape {tuple(grad_divisor.shape)}")
+            return inv_scale / grad_divisor.to(device=inv_scale.device, dtype=torch.float32).reshape(())
+        if isinstance(grad_divisor, bool) or not isinstance(grad_divisor, (int, float)) or not grad_divisor > 0 \
+                or math.isinf(grad_divisor):
+            raise ValueError(f"grad_divisor must be a positive finite number or a tensor, got {grad_divisor!r}")
+        return inv_scale / float(grad_divisor)
+
+    def _partials_and_inv_scale(self, grad_divisor=None):
         """Partials of the step's gradients and the coefficient that unscales them, all on the device."""
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
@@ -183,21 +219,36 @@ class FusedOptimizer(torch.optim.Optimizer):
                 inv_scale = grad_scale.double().reciprocal().float()  # as torch's unscale_ forms it
             else:
                 inv_scale = self._one
+            inv_scale = self._divide(inv_scale, grad_divisor)
             partials = ops.norm_check(self._grad_buffers(), inv_scale, backend=self.backend)
         if found_inf is not None:  # e.g. all-reduced across ranks by the training script
-            partials = torch.cat([partials, torch.stack([torch.zeros_like(found_inf), found_inf.float()])[:, None]], 1)
+            partials = _append_flag(partials, found_inf.float())
         return partials, inv_scale
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
+    def step(self, closure=None, *, grad_divisor=None, loss: Optional[Tensor] = None):
+        """One fused step. ``grad_divisor`` (number or device tensor) divides the gradients exactly, folded
+        into the unscale coefficient, so the norm, clip and inf check see the normalised gradients. ``loss``
+        (a device tensor, never read) feeds the spike guard's loss rule."""
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if not self._segments:
             return loss
         self._sync_grads()
-        partials, inv_scale = self._partials_and_inv_scale()
+        partials, inv_scale = self._partials_and_inv_scale(grad_divisor)
+        if self.track_nonfinite:
+            self._count_nonfinite(inv_scale)
+        lr_mult = None
+        guard = self.spike_guard
+        if guard is not None:
+            norm, overflow = ops.reduce_partials(partials)
+            self._overflow.copy_(overflow)
+            spike = guard.check(norm, loss if isinstance(loss, Tensor) else None)
+            if guard.action == "skip":
+                partials = _append_flag(partials, spike.float())
+            else:
+                lr_mult = torch.where(spike, guard.lr_factor, 1.0).float()
         pending, self._pending_clip = self._pending_clip, None
         for seg in self._segments:
             group = self.param_groups[seg.group_index]
@@ -205,7 +256,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             max_norm = math.inf if max_norm is None else float(max_norm)
             if pending is not None:
                 max_norm = min(max_norm, pending)
-            self._update(seg, group, partials, inv_scale, self._lr_tensor(seg), max_norm)
+            lr = self._lr_tensor(seg)
+            self._update(seg, group, partials, inv_scale, lr if lr_mult is None else lr * lr_mult, max_norm)
+        if guard is not None:
+            guard.record_(norm, loss if isinstance(loss, Tensor) else None, spike, overflow > 0)
+        self._calls += 1
         return loss
 
     def _update(self, seg: _Segment, group: dict, partials: Tensor, inv_scale: Tensor, lr: Tensor,
@@ -219,8 +274,47 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     @property
     def last_found_inf(self) -> Tensor:
-        """0-d fp32 device tensor: 1.0 if the last step was skipped for non-finite gradients."""
-        return self._stats[1]
+        """0-d fp32 device tensor: 1.0 if the last step found non-finite gradients (what a scaler backs off on;
+        a spike-guard skip is not an overflow)."""
+        return self._overflow if self.spike_guard is not None else self._stats[1]
+
+    def stats(self) -> Dict[str, Tensor]:
+        """Counters as device tensors, to log every N steps without a sync per step (since construction or
+        the last load_state_dict)."""
+        taken = self._segments[0].step - self._steps_at_load if self._segments else self._one * 0
+        spikes = self.spike_guard.spikes.float() if self.spike_guard is not None and \
+            self.spike_guard._device is not None else torch.zeros_like(taken)
+        skipped_spike = spikes if self.spike_guard is not None and self.spike_guard.action == "skip" else \
+            torch.zeros_like(taken)
+        return {"steps": taken, "skipped_overflow": self._calls - taken - skipped_spike,
+                "skipped_spike": skipped_spike, "spikes": spikes, "last_grad_norm": self.last_grad_norm}
+
+    def _param_name(self, gi: int, p: Tensor, index: int) -> str:
+        names = self.param_groups[gi].get("param_names")
+        if names is not None:
+            return names[index]
+        return self._module_names.get(id(p), f"param_groups[{gi}][{index}] {tuple(p.shape)}")
+
+    def _count_nonfinite(self, inv_scale: Tensor) -> None:
+        """Per-parameter count of non-finite gradient elements (one extra read of the gradients; opt-in)."""
+        self._nonfinite = []
+        for seg in self._segments:
+            bad = (~torch.isfinite(seg.flat.grad)).float()
+            self._nonfinite.append(torch.segment_reduce(bad, "sum", lengths=seg.lengths))
+
+    def nonfinite_report(self) -> Dict[str, int]:
+        """Which parameters held infs or NaNs in the last step, and how many: ``{name: count}`` (reads to the
+        host, only when asked). Needs ``track_nonfinite=True``."""
+        if not self.track_nonfinite:
+            raise RuntimeError("nonfinite_report() needs the optimizer built with track_nonfinite=True")
+        report: Dict[str, int] = {}
+        for seg, counts in zip(self._segments, self._nonfinite):
+            group = self.param_groups[seg.group_index]
+            for k, (p, c) in enumerate(zip(seg.flat.params, counts.tolist())):
+                if c:
+                    idx = [i for i, q in enumerate(group["params"]) if q is p][0]
+                    report[self._param_name(seg.group_index, p, idx)] = int(c)
+        return report
 
     @property
     def last_step_skipped(self) -> Tensor:
@@ -235,9 +329,10 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # --- hooks used by ampfused.GradScaler and ampfused.clip_grad_norm_ ------------------------------------
     @torch.no_grad()
-    def _ampfused_unscale_(self, inv_scale: Tensor) -> Tensor:
+    def _ampfused_unscale_(self, inv_scale: Tensor, grad_divisor=None) -> Tensor:
         """Unscale the flat gradient buffers in place (one pass), remember their norm, return found_inf."""
         self._sync_grads()
+        inv_scale = self._divide(inv_scale, grad_divisor)
         partials = ops.unscale_(self._grad_buffers(), inv_scale, backend=self.backend)
         self._partials_cache = (partials, self._versions())
         return ops.reduce_partials(partials)[1]
@@ -267,6 +362,9 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         import_state_dict(self, state_dict)
+        if self._segments:
+            self._steps_at_load.copy_(self._segments[0].step)
+        self._calls = 0
 
     def _export_param_state(self, st: dict, step: float) -> dict:
         out = dict(st)

@@ -13,11 +13,11 @@ class _FusedAdamBase(FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, maximize=False,
                  max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None):
         self._check_hyper(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
-                         backend=backend)
+                         backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
 
     @staticmethod
     def _check_hyper(lr, betas, eps, weight_decay) -> None:
@@ -62,6 +62,7 @@ class FusedAdamW(_FusedAdamBase):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, maximize=False,
                  max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None):
         super().__init__(params, lr, betas, eps, weight_decay, maximize=maximize, max_grad_norm=max_grad_norm,
-                         master_weights=master_weights, backend=backend)
+                         master_weights=master_weights, backend=backend, spike_guard=spike_guard,
+                         track_nonfinite=track_nonfinite, module=module)

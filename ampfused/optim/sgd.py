@@ -14,12 +14,12 @@ class FusedSGD(FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None):
         self._check_hyper(lr, momentum, dampening, weight_decay, nesterov)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
-                         backend=backend)
+                         backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
 
     @staticmethod
     def _check_hyper(lr, momentum, dampening, weight_decay, nesterov) -> None:
