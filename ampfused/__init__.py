@@ -3,6 +3,11 @@ __version__ = "0.1.0"
 
 from . import ops  # noqa: F401
 from .flat import FlatBuffer
+from .guard import SpikeGuard
 from .optim import FusedAdam, FusedAdamW, FusedSGD
+from .scaler import GradScaler
+from .clip import clip_grad_norm_
+from . import cuda  # noqa: F401  (ampfused.cuda.amp.GradScaler, the torch.cuda.amp spelling)
 
-__all__ = ["ops", "__version__", "FlatBuffer", "FusedAdam", "FusedAdamW", "FusedSGD"]
+__all__ = ["ops", "__version__", "FlatBuffer", "SpikeGuard", "FusedAdam", "FusedAdamW", "FusedSGD",
+           "GradScaler", "clip_grad_norm_", "cuda"]

@@ -39,8 +39,13 @@ def num_partials(numels: List[int]) -> int:
     return len(numels)
 
 
+def _compute(g: Tensor) -> Tensor:
+    # fp64 gradients stay fp64 (as in torch's unscale kernel); everything narrower is computed in fp32
+    return g.to(torch.promote_types(g.dtype, torch.float32))
+
+
 def _sumsq_and_flag(g: Tensor, inv_scale: Tensor) -> tuple[Tensor, Tensor]:
-    u = g.float() * inv_scale
+    u = _compute(g) * inv_scale
     finite = torch.isfinite(g).all()
     return (u * u).sum(), (~finite).float()
 
@@ -70,7 +75,7 @@ def unscale_(grads: List[Tensor], inv_scale: Tensor) -> Tensor:
     out = torch.zeros(2, len(grads), dtype=torch.float32, device=inv_scale.device)
     for i, g in enumerate(grads):
         f = (~torch.isfinite(g).all()).float()
-        u = g.float() * inv_scale
+        u = _compute(g) * inv_scale
         g.copy_(u)
         out[0, i] = (u * u).sum()
         out[1, i] = f
@@ -113,8 +118,9 @@ def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, grow
 
 
 def bias_correction(beta: float, step: Tensor) -> Tensor:
-    """``1 - beta**step`` computed as ``-expm1(step * log(beta))`` so small steps keep their precision."""
-    return -torch.expm1(step * math.log(beta))
+    """``1 - beta**step`` computed as ``-expm1(step * log(beta))`` so small steps keep their precision
+    (``beta = 0``, valid in torch's Adam, gives ``log = -inf`` and a correction of 1)."""
+    return -torch.expm1(step * (math.log(beta) if beta > 0 else -math.inf))
 
 
 def _prologue(partials: Tensor, inv_scale: Tensor, max_norm: float, out_stats: Tensor,
