@@ -1,0 +1,8 @@
+"""Triton kernels of ampfused, installed as ``ampfused.triton_kernels`` (never as a top-level
+``triton_kernels``, the name of a package published from the triton repository).
+
+One op per module, the ``@triton.jit`` kernels (prefixed ``_``) followed by their launcher:
+``norm_check`` (K1 and the in-place ``unscale_``), ``adam`` and ``sgd`` (K2), ``update_scale``; ``_common``
+holds the shared prologue, conversions and launch geometry. ``ampfused.ops.triton`` calls the launchers;
+modules are imported on first use, and importing them touches no GPU.
+"""
