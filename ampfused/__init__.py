@@ -6,8 +6,10 @@ from .flat import FlatBuffer
 from .guard import SpikeGuard
 from .optim import FusedAdam, FusedAdamW, FusedSGD
 from .scaler import GradScaler
+from .policies import MinScaleError, ScalePolicy, register_scale_policy
 from .clip import clip_grad_norm_
 from . import cuda  # noqa: F401  (ampfused.cuda.amp.GradScaler, the torch.cuda.amp spelling)
 
 __all__ = ["ops", "__version__", "FlatBuffer", "SpikeGuard", "FusedAdam", "FusedAdamW", "FusedSGD",
-           "GradScaler", "clip_grad_norm_", "cuda"]
+           "GradScaler", "clip_grad_norm_", "cuda",
+           "ScalePolicy", "register_scale_policy", "MinScaleError"]
