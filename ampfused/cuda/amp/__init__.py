@@ -24,7 +24,9 @@ class GradScaler(_GradScaler, torch.cuda.amp.GradScaler):
     @deprecated("`ampfused.cuda.amp.GradScaler(args...)` is deprecated. "
                 "Please use `ampfused.GradScaler('cuda', args...)` instead.", category=FutureWarning)
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, enabled: bool = True, *, backend: Optional[str] = None) -> None:
+                 growth_interval: int = 2000, enabled: bool = True, *, backend: Optional[str] = None,
+                 **extras) -> None:
+        # extras: the keyword-only options of ampfused.GradScaler (policy=, min_scale=, ...)
         _GradScaler.__init__(self, "cuda", init_scale=init_scale, growth_factor=growth_factor,
                              backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled,
-                             backend=backend)
+                             backend=backend, **extras)
