@@ -12,6 +12,7 @@ from typing import List, Optional
 
 import torch
 from torch import Tensor
+from torch.utils import _python_dispatch
 
 from . import checks, library, reference, registry
 from .reference import clip_coef, reduce_partials
@@ -48,6 +49,16 @@ def _pick(device: torch.device, dtypes: tuple, backend: Optional[str]) -> str:
     return _backend_name(str(device), dtypes, backend)
 
 
+def _call(op: str, probe: Tensor, *args):
+    """Run ``op`` with the backend named last in ``args``. Eager calls on plain tensors go straight to the
+    backend (what the custom op would run, without its dispatch cost, which dominates launch-bound steps);
+    traced code, tensor subclasses and dispatch modes (fake tensors, meta) go through the custom op."""
+    if (type(probe) is Tensor and not torch.compiler.is_compiling()
+            and _python_dispatch._get_current_dispatch_mode() is None):
+        return getattr(get_backend(args[-1]), op)(*args[:-1])
+    return getattr(library, op)(*args)
+
+
 def num_partials(numels: List[int], device="cpu", backend: Optional[str] = None) -> int:
     """Columns of the ``partials`` that ``norm_check``/``unscale_`` return for gradients of these sizes."""
     return resolve(device, (), backend).num_partials(list(numels))
@@ -62,7 +73,7 @@ def norm_check(grads: List[Tensor], inv_scale: Tensor, *, backend: Optional[str]
     """
     checks.tensor("inv_scale", inv_scale, dtypes=(torch.float32,), scalar=True)
     checks.grads_list("grads", grads, inv_scale.device)
-    return library.norm_check(list(grads), inv_scale, _pick(inv_scale.device, _dtypes(*grads), backend))
+    return _call("norm_check", inv_scale, list(grads), inv_scale, _pick(inv_scale.device, _dtypes(*grads), backend))
 
 
 def unscale_(grads: List[Tensor], inv_scale: Tensor, *, backend: Optional[str] = None) -> Tensor:
@@ -70,7 +81,7 @@ def unscale_(grads: List[Tensor], inv_scale: Tensor, *, backend: Optional[str] =
     :func:`norm_check` of the unscaled values."""
     checks.tensor("inv_scale", inv_scale, dtypes=(torch.float32,), scalar=True)
     checks.grads_list("grads", grads, inv_scale.device)
-    return library.unscale_(list(grads), inv_scale, _pick(inv_scale.device, _dtypes(*grads), backend))
+    return _call("unscale_", inv_scale, list(grads), inv_scale, _pick(inv_scale.device, _dtypes(*grads), backend))
 
 
 def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
@@ -81,8 +92,8 @@ def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, grow
     checks.tensor("growth_tracker", growth_tracker, dtypes=(torch.int32,), scalar=True, device=scale.device)
     checks.tensor("found_inf", found_inf, dtypes=(torch.float32,), scalar=True, device=scale.device)
     checks.scalars(growth_factor=growth_factor, backoff_factor=backoff_factor)
-    library.update_scale_(scale, growth_tracker, found_inf, float(growth_factor), float(backoff_factor),
-                          int(growth_interval), _pick(scale.device, (), backend))
+    _call("update_scale_", scale, scale, growth_tracker, found_inf, float(growth_factor),
+          float(backoff_factor), int(growth_interval), _pick(scale.device, (), backend))
 
 
 def adam_step_(param: Tensor, grad: Tensor, master: Optional[Tensor], exp_avg: Tensor, exp_avg_sq: Tensor,
@@ -95,9 +106,9 @@ def adam_step_(param: Tensor, grad: Tensor, master: Optional[Tensor], exp_avg: T
                        partials, inv_scale, lr, out_stats)
     checks.scalars(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, max_norm=max_norm)
     name = _pick(param.device, _dtypes(param, grad, master), backend)
-    library.adam_step_(param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr, out_stats,
-                       float(beta1), float(beta2), float(eps), float(weight_decay), float(max_norm),
-                       bool(decoupled), bool(maximize), name)
+    _call("adam_step_", param, param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr,
+          out_stats, float(beta1), float(beta2), float(eps), float(weight_decay), float(max_norm),
+          bool(decoupled), bool(maximize), name)
 
 
 def adamw_step_(param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr, out_stats, *,
@@ -120,6 +131,6 @@ def sgd_step_(param: Tensor, grad: Tensor, master: Optional[Tensor], momentum_bu
     checks.step_inputs(param, grad, master, states, step, partials, inv_scale, lr, out_stats)
     checks.scalars(momentum=momentum, dampening=dampening, weight_decay=weight_decay, max_norm=max_norm)
     name = _pick(param.device, _dtypes(param, grad, master), backend)
-    library.sgd_step_(param, grad, master, momentum_buf if momentum != 0 else None, step, partials, inv_scale,
-                      lr, out_stats, float(momentum), float(dampening), float(weight_decay), bool(nesterov),
-                      float(max_norm), bool(maximize), name)
+    _call("sgd_step_", param, param, grad, master, momentum_buf if momentum != 0 else None, step, partials,
+          inv_scale, lr, out_stats, float(momentum), float(dampening), float(weight_decay), bool(nesterov),
+          float(max_norm), bool(maximize), name)
