@@ -1,6 +1,262 @@
-"""Build of ampfused. Native extensions are added by ``_native_extensions()``; the pure-Python package
-installs on a machine with no GPU and no CUDA toolkit."""
-from setuptools import find_packages, setup
+"""Build of ampfused: the Python package plus two torch-free native modules.
+
+* ``ampfused._C``: the CPU backend (C++17, OpenMP). On x86-64 the kernels are compiled three times
+  (baseline, AVX2, AVX-512) and the module picks one at run time, so a wheel built here runs anywhere.
+* ``ampfused._C_cuda``: the CUDA backend, built when nvcc is found; cudart is linked statically, so the
+  module imports on a machine without a GPU or driver and its calls then report why they cannot run.
+
+Neither module needs torch headers: they take raw addresses, sizes, dtype codes and a stream handle.
+Objects are compiled by ninja when it is present (parallel and incremental), else by a thread pool.
+
+Build switches (environment, read once here):
+  AMPFUSED_SKIP_NATIVE_BUILD=1   build neither module (pure-Python install; the reference backend runs)
+  AMPFUSED_SKIP_CUDA_BUILD=1     do not build ampfused._C_cuda even when nvcc is found
+  AMPFUSED_CUDA_ARCHS="80;90"    GPU architectures (A100, H100); archs the found nvcc lacks are skipped
+  AMPFUSED_NVCC_THREADS=N        nvcc --threads (archs compiled in parallel inside one nvcc)
+  MAX_JOBS=N                     parallel compile jobs (default: from cores and free memory)
+  CUDA_HOME                      CUDA toolkit root (default: found from nvcc)
+"""
+import concurrent.futures
+import hashlib
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+VERSION = "0.1.0"
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join(ROOT, "csrc")
+
+SKIP_NATIVE = os.environ.get("AMPFUSED_SKIP_NATIVE_BUILD", "0") == "1"
+SKIP_CUDA = os.environ.get("AMPFUSED_SKIP_CUDA_BUILD", "0") == "1"
+CUDA_ARCHS = os.environ.get("AMPFUSED_CUDA_ARCHS", "80;90")
+NVCC_THREADS = os.environ.get("AMPFUSED_NVCC_THREADS")
+MAX_JOBS = os.environ.get("MAX_JOBS")
+CUDA_HOME = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def sources_hash() -> str:
+    """Hash of csrc/ (paths and contents); the loader compares it to detect a stale build."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(CSRC):
+        dirnames.sort()
+        for name in sorted(filenames):
+            if name.endswith((".h", ".cuh", ".cpp", ".cu")):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, CSRC).replace(os.sep, "/").encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(f.read() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def find_nvcc():
+    """(nvcc, cuda_root) or (None, None). The root holds include/ and lib64/libcudart_static.a."""
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else shutil.which("nvcc")
+    if not nvcc or not os.path.exists(nvcc):
+        return None, None
+    roots = [CUDA_HOME] if CUDA_HOME else []
+    roots.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    try:  # nvcc may be a wrapper script: ask it where its toolkit is
+        out = subprocess.run([nvcc, "--dryrun", "--version"], capture_output=True, text=True).stderr
+        roots += [os.path.normpath(m) for m in re.findall(r"^#\$ TOP=(\S+)", out, re.M)]
+    except OSError:
+        pass
+    roots.append("/usr/local/cuda")
+    for r in roots:
+        if r and os.path.exists(os.path.join(r, "include", "cuda_runtime.h")):
+            return nvcc, r
+    return nvcc, None
+
+
+def nvcc_version(nvcc) -> str:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release (\d+\.\d+)", out)
+    return m.group(1) if m else "unknown"
+
+
+def gencode_flags(nvcc):
+    """-gencode for each requested arch the found nvcc supports, plus PTX of the newest for later GPUs."""
+    try:
+        listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True).stdout.split()
+    except OSError:
+        listed = []
+    archs = []
+    for a in re.split(r"[;,\s]+", CUDA_ARCHS.strip()):
+        a = a.replace(".", "").replace("sm_", "")
+        if not a:
+            continue
+        base = re.match(r"\d+", a).group(0)
+        if listed and f"compute_{base}" not in listed:
+            print(f"ampfused: skipping CUDA arch {a}: not supported by {nvcc}", file=sys.stderr)
+            continue
+        archs.append(a)
+    if not archs:
+        raise RuntimeError(f"none of AMPFUSED_CUDA_ARCHS={CUDA_ARCHS!r} is supported by {nvcc}")
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    ptx = re.match(r"\d+", archs[-1]).group(0)  # portable PTX (no 'a' features) for later GPUs
+    flags.append(f"-gencode=arch=compute_{ptx},code=compute_{ptx}")
+    return archs, flags
+
+
+def default_jobs() -> int:
+    if MAX_JOBS:
+        return max(1, int(MAX_JOBS))
+    cores = os.cpu_count() or 1
+    try:  # an nvcc job can take ~2 GiB
+        mem_gib = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+        return max(1, min(cores, int(mem_gib // 2)))
+    except (ValueError, OSError, AttributeError):
+        return cores
+
+
+class NativeExtension(Extension):
+    """An extension compiled by NativeBuild: per-source extra flags, .cu files through nvcc."""
+
+    def __init__(self, name, sources, cxx_flags=(), per_source=None, nvcc=None, nvcc_flags=(),
+                 link_flags=(), defines=()):
+        super().__init__(name, sources=sources)
+        self.cxx_flags = list(cxx_flags)
+        self.per_source = per_source or {}
+        self.nvcc = nvcc
+        self.nvcc_flags = list(nvcc_flags)
+        self.link_flags = list(link_flags)
+        self.defines = list(defines)
+
+
+class NativeBuild(build_ext):
+    """Compiles every object of every extension in one ninja run (or a thread pool), then links each."""
+
+    def build_extensions(self):
+        cxx = os.environ.get("CXX", "c++")
+        py_inc = sysconfig.get_paths()["include"]
+        import pybind11
+
+        base = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-DNDEBUG", f"-I{py_inc}",
+                f"-I{pybind11.get_include()}", f"-I{os.path.join(CSRC, 'include')}"]
+        jobs, links = [], []
+        for ext in self.extensions:
+            objs = []
+            tmp = os.path.join(os.path.abspath(self.build_temp), ext.name.replace(".", "_"))
+            os.makedirs(tmp, exist_ok=True)
+            for src in ext.sources:
+                src = os.path.abspath(src)
+                obj = os.path.join(tmp, os.path.relpath(src, ROOT).replace(os.sep, "_") + ".o")
+                extra = ext.per_source.get(os.path.basename(src), [])
+                if src.endswith(".cu"):
+                    cmd = [ext.nvcc] + ext.nvcc_flags + ext.defines + extra
+                else:
+                    cmd = [cxx] + base + ext.cxx_flags + ext.defines + extra
+                jobs.append((cmd, src, obj, src.endswith(".cu")))
+                objs.append(obj)
+            links.append((ext, objs))
+        try:
+            self._compile(jobs)
+        except subprocess.CalledProcessError as e:
+            hint = " (AMPFUSED_SKIP_CUDA_BUILD=1 builds without the CUDA backend)" if any(j[3] for j in jobs) else ""
+            raise RuntimeError(f"compiling ampfused's native modules failed: {e}{hint}") from None
+        for ext, objs in links:
+            out = self.get_ext_fullpath(ext.name)
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            self._run([cxx, "-shared", "-o", out] + objs + ext.link_flags)
+
+    def copy_file(self, infile, outfile, *args, **kwargs):
+        """Replace (new inode), never overwrite in place: a running process may have the old module mapped."""
+        if os.path.isdir(outfile):
+            outfile = os.path.join(outfile, os.path.basename(infile))
+        tmp = f"{outfile}.tmp{os.getpid()}"
+        shutil.copy2(infile, tmp)
+        os.replace(tmp, outfile)
+        return outfile, 1
+
+    def _run(self, cmd):
+        print(" ".join(shlex.quote(c) for c in cmd))
+        subprocess.check_call(cmd)
+
+    def _compile(self, jobs):
+        n = default_jobs()
+        ninja = shutil.which("ninja")
+        if ninja:
+            path = os.path.join(os.path.abspath(self.build_temp), "build.ninja")
+            lines = ["ninja_required_version = 1.3", f"builddir = {os.path.abspath(self.build_temp)}",
+                     "rule cxx", "  command = $cmd -MMD -MF $out.d -c $in -o $out", "  depfile = $out.d",
+                     "  deps = gcc", "  description = CXX $in",
+                     "rule cuda", "  command = $cmd -MD -MF $out.d -c $in -o $out", "  depfile = $out.d",
+                     "  deps = gcc", "  description = NVCC $in"]
+            esc = lambda p: p.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")  # noqa: E731
+            for cmd, src, obj, is_cu in jobs:
+                lines.append(f"build {esc(obj)}: {'cuda' if is_cu else 'cxx'} {esc(src)}")
+                lines.append("  cmd = " + " ".join(shlex.quote(c) for c in cmd).replace("$", "$$"))
+            with open(path, "w") as f:
+                f.write("\n".join(lines) + "\n")
+            self._run([ninja, "-C", os.path.dirname(path), "-f", path, "-j", str(n)])
+            return
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            for f in [pool.submit(self._run, cmd + ["-c", src, "-o", obj]) for cmd, src, obj, _ in jobs]:
+                f.result()
+
+
+def accepts_flag(cxx, flag) -> bool:
+    probe = subprocess.run([cxx, flag, "-x", "c++", "-fsyntax-only", "-"], input="int main(){}",
+                           capture_output=True, text=True)
+    return probe.returncode == 0
+
+
+def native_extensions():
+    if SKIP_NATIVE:
+        return []
+    cxx = os.environ.get("CXX", "c++")
+    src_hash = sources_hash()
+    # only the module files carry the build's identity, so editing one kernel recompiles only it
+    identity = [f'-DAMPFUSED_VERSION="{VERSION}"', f'-DAMPFUSED_SOURCES_HASH="{src_hash}"']
+    # No contraction (fp32 results follow the written expression on every ISA); no errno, so sqrt
+    # vectorises; results are unchanged by either.
+    flags = ["-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fno-unswitch-loops"]
+    omp = ["-fopenmp"] if accepts_flag(cxx, "-fopenmp") else []
+    cpu_sources = ["csrc/cpu/module.cpp", "csrc/cpu/kernels_default.cpp"]
+    per_source, isa_defines = {"module.cpp": identity}, []
+    if IS_X86:
+        cpu_sources += ["csrc/cpu/kernels_avx2.cpp", "csrc/cpu/kernels_avx512.cpp"]
+        per_source = {"module.cpp": identity, "kernels_avx2.cpp": ["-mavx2"],
+                      "kernels_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                                             "-mprefer-vector-width=512"]}
+        isa_defines = ["-DAMPFUSED_HAVE_AVX2", "-DAMPFUSED_HAVE_AVX512"]
+    link = omp + (["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else [])
+    exts = [NativeExtension("ampfused._C", cpu_sources, cxx_flags=flags + omp, per_source=per_source,
+                            link_flags=link, defines=isa_defines)]
+    nvcc, cuda_root = (None, None) if SKIP_CUDA else find_nvcc()
+    if nvcc and cuda_root:
+        archs, gencode = gencode_flags(nvcc)
+        threads = NVCC_THREADS or str(max(1, min(len(archs), (os.cpu_count() or 1) // 2)))
+        cuda_identity = identity + [f'-DAMPFUSED_CUDA_ARCHS="{";".join(archs)}"',
+                                    f'-DAMPFUSED_NVCC_VERSION="{nvcc_version(nvcc)}"']
+        nvcc_flags = ["-O3", "-std=c++17", "--fmad=false", "--threads", threads, "-Xcompiler", "-fPIC",
+                      "-Xcompiler", "-fvisibility=hidden", "-DNDEBUG", f"-I{os.path.join(CSRC, 'include')}",
+                      f"-I{os.path.join(cuda_root, 'include')}"] + gencode
+        libdir = next((os.path.join(cuda_root, d) for d in ("lib64", "lib", "targets/x86_64-linux/lib")
+                       if os.path.exists(os.path.join(cuda_root, d, "libcudart_static.a"))), None)
+        if libdir is None:
+            raise RuntimeError(f"nvcc found at {nvcc} but no libcudart_static.a under {cuda_root}; "
+                               "set CUDA_HOME, or AMPFUSED_SKIP_CUDA_BUILD=1")
+        # static cudart, kept private to this module (no symbol clash with torch's libcudart)
+        cuda_link = [f"-L{libdir}", "-lcudart_static", "-ldl", "-lrt", "-lpthread",
+                     "-Wl,--exclude-libs,ALL", "-Wl,-Bsymbolic"]
+        cuda_sources = ["csrc/cuda/module.cpp", "csrc/cuda/norm.cu", "csrc/cuda/adam.cu", "csrc/cuda/sgd.cu"]
+        exts.append(NativeExtension("ampfused._C_cuda", cuda_sources, nvcc=nvcc, nvcc_flags=nvcc_flags,
+                                    cxx_flags=flags, link_flags=cuda_link,
+                                    per_source={"module.cpp": cuda_identity}))
+    elif not SKIP_CUDA:
+        print("ampfused: nvcc not found (set CUDA_HOME to build the CUDA backend); building the CPU backend only",
+              file=sys.stderr)
+    return exts
+
 
 packages = find_packages(include=["ampfused", "ampfused.*"])
 package_dir = {"ampfused.triton_kernels": "triton_kernels"}
@@ -8,11 +264,13 @@ packages.append("ampfused.triton_kernels")
 
 setup(
     name="ampfused",
-    version="0.1.0",
+    version=VERSION,
     description="Fused mixed-precision optimizer step for PyTorch: unscale, inf check, norm, clip, update",
     python_requires=">=3.9",
     packages=packages,
     package_dir=package_dir,
+    ext_modules=native_extensions(),
+    cmdclass={"build_ext": NativeBuild},
     install_requires=["torch>=2.4", "numpy", "triton; platform_system == 'Linux'"],
     extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis"], "bench": ["matplotlib", "tqdm"]},
 )

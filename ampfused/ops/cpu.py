@@ -1,0 +1,142 @@
+"""The ``cpu`` backend: the ops on CPU tensors through ``ampfused._C`` (C++, OpenMP, vectorised loops).
+
+K1 (``norm_check``/``unscale_``) keeps one partial per chunk of ``_C.CHUNK`` elements of each gradient,
+so ``num_partials`` depends only on the sizes and the partials, reduced in chunk order by K2's prologue,
+are bitwise identical whatever the thread count. K2 (the step) is one pass: convert, compute in fp32,
+store. The math is ``csrc/include/ampfused/math.h``, the specification :mod:`ampfused.ops.reference`.
+Threads: ``torch.get_num_threads()``; the GIL is released while the kernels run. Every rule the kernels rely
+on is checked here first, with a message naming the tensor: the step's flat buffers (param, grad, master,
+states) must be 1-D, contiguous, of equal size, non-overlapping and 16-byte aligned (a FlatBuffer is);
+gradients given to ``norm_check``/``unscale_`` may be any strided tensors.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from .. import _native
+from .registry import Backend
+
+_N = _native
+
+
+def _same_buffer(a: Tensor, b: Optional[Tensor]) -> bool:
+    """True when ``b`` is ``a``'s very memory (an fp32 model passed as its own master): no master then."""
+    return (isinstance(a, Tensor) and isinstance(b, Tensor) and a.device == b.device and a.dtype == b.dtype
+            and a.shape == b.shape and a.numel() > 0 and a.data_ptr() == b.data_ptr() and a.stride() == b.stride())
+
+
+def _grads_for_kernel(grads: List[Tensor]) -> List[Tensor]:
+    return [g if g.is_contiguous() else g.contiguous() for g in grads]
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    kind = "cpu"  # which compiled module
+    devices = ("cpu",)
+    dtypes = _native.NATIVE_DTYPES
+    deterministic = True
+
+    # ---- plumbing that the CUDA backend overrides -------------------------------------------------
+    def _mod(self):
+        return _native.module(self.kind)
+
+    def _device_args(self, device: torch.device) -> tuple:
+        """Trailing arguments of every kernel call: the thread count here, device and stream for CUDA."""
+        return (torch.get_num_threads(),)
+
+    def unavailable_reason(self) -> Optional[str]:
+        return _native.unavailable_reason(self.kind)
+
+    # ---- ops -----------------------------------------------------------------------------------------
+    def num_partials(self, numels: List[int]) -> int:
+        return int(self._mod().num_partials([int(n) for n in numels]))
+
+    def _k1(self, grads: List[Tensor], inv_scale: Tensor, unscale: bool) -> Tensor:
+        _N.check_grads(grads, inv_scale, self.name)
+        work = _grads_for_kernel(list(grads))
+        numels = [g.numel() for g in work]
+        p = self.num_partials(numels)
+        partials = torch.empty(2, p, dtype=torch.float32, device=inv_scale.device)
+        self._mod().norm_check([g.data_ptr() for g in work], numels, [_N.DTYPE_CODES[g.dtype] for g in work],
+                               inv_scale.data_ptr(), partials.data_ptr(), p, unscale,
+                               *self._device_args(inv_scale.device))
+        if unscale:  # non-contiguous gradients were unscaled in a contiguous copy
+            for g, w in zip(grads, work):
+                if w is not g:
+                    g.copy_(w)
+        return partials
+
+    def norm_check(self, grads: List[Tensor], inv_scale: Tensor) -> Tensor:
+        """Partials ``[2, P]`` (row 0: sums of squares of ``g * inv_scale``; row 1: non-finite flags)."""
+        return self._k1(grads, inv_scale, False)
+
+    def unscale_(self, grads: List[Tensor], inv_scale: Tensor) -> Tensor:
+        """In place ``g = round(fp32(g) * inv_scale)``; partials of the unscaled values."""
+        return self._k1(grads, inv_scale, True)
+
+    def update_scale_(self, scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
+                      backoff_factor: float, growth_interval: int) -> None:
+        dev = scale.device
+        _N.check_scalar("scale", scale, (torch.float32,), dev, self.name)
+        _N.check_scalar("growth_tracker", growth_tracker, (torch.int32,), dev, self.name)
+        _N.check_scalar("found_inf", found_inf, (torch.float32,), dev, self.name)
+        self._update_scale(scale, growth_tracker, found_inf, float(growth_factor), float(backoff_factor),
+                           int(growth_interval))
+
+    def _update_scale(self, scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval):
+        self._mod().update_scale(scale.data_ptr(), growth_tracker.data_ptr(), found_inf.data_ptr(),
+                                 growth_factor, backoff_factor, growth_interval)
+
+    def _common(self, param, grad, master, step, partials, inv_scale, lr, out_stats):
+        partials = _N.partials_arg(partials)
+        return [param.data_ptr(), _N.DTYPE_CODES[param.dtype], grad.data_ptr(), _N.DTYPE_CODES[grad.dtype],
+                _N.ptr(master)], [param.numel(), step.data_ptr(), _N.SCALAR_CODES[step.dtype], partials.data_ptr(),
+                                  partials.shape[1], inv_scale.data_ptr(), lr.data_ptr(), _N.SCALAR_CODES[lr.dtype],
+                                  out_stats.data_ptr()], partials
+
+    def adam_step_(self, param: Tensor, grad: Tensor, master: Optional[Tensor], exp_avg: Tensor,
+                   exp_avg_sq: Tensor, step: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
+                   out_stats: Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
+                   max_norm: float, decoupled: bool, maximize: bool = False, **options) -> None:
+        """Adam/AdamW over flat buffers; math and tensors in :func:`ampfused.ops.reference.adam_step_`."""
+        master = None if _same_buffer(param, master) else master
+        _N.check_step(self.name, param, grad, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], step,
+                      partials, inv_scale, lr, out_stats)
+        head, tail, keep = self._common(param, grad, master, step, partials, inv_scale, lr, out_stats)
+        self._launch_adam(head + [exp_avg.data_ptr(), exp_avg_sq.data_ptr()] + tail
+                          + [float(beta1), float(beta2), float(eps), float(weight_decay), float(max_norm),
+                             bool(decoupled), bool(maximize)], step, **options)
+        del keep
+
+    def _launch_adam(self, args, step: Tensor, **options):
+        if options:
+            raise TypeError(f"the {self.name} backend takes no options, got {sorted(options)}")
+        self._mod().adam_step(*args, *self._device_args(step.device))
+
+    def sgd_step_(self, param: Tensor, grad: Tensor, master: Optional[Tensor], momentum_buf: Optional[Tensor],
+                  step: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
+                  momentum: float, dampening: float, weight_decay: float, nesterov: bool, max_norm: float,
+                  maximize: bool = False, **options) -> None:
+        """SGD over flat buffers; math and tensors in :func:`ampfused.ops.reference.sgd_step_`."""
+        master = None if _same_buffer(param, master) else master
+        if momentum != 0 and momentum_buf is None:
+            raise ValueError("momentum_buf is required when momentum != 0")
+        buf = momentum_buf if momentum != 0 else None
+        states = [("momentum_buf", buf)] if buf is not None else []
+        _N.check_step(self.name, param, grad, master, states, step, partials, inv_scale, lr, out_stats)
+        head, tail, keep = self._common(param, grad, master, step, partials, inv_scale, lr, out_stats)
+        self._launch_sgd(head + [_N.ptr(buf)] + tail
+                         + [float(momentum), float(dampening), float(weight_decay), bool(nesterov),
+                            float(max_norm), bool(maximize)], step, **options)
+        del keep
+
+    def _launch_sgd(self, args, step: Tensor, **options):
+        if options:
+            raise TypeError(f"the {self.name} backend takes no options, got {sorted(options)}")
+        self._mod().sgd_step(*args, *self._device_args(step.device))
+
+
+BACKEND = CpuBackend()

@@ -1,0 +1,232 @@
+// ampfused._C: the CPU backend. Torch-free: every function takes raw addresses (Python ints) of
+// host buffers, element counts and dtype codes; ampfused/ops/cpu.py validates the tensors first.
+// The GIL is released around every kernel.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "ampfused/step_args.h"
+#include "kernels.h"
+
+#ifndef AMPFUSED_VERSION
+#define AMPFUSED_VERSION "unknown"
+#endif
+#ifndef AMPFUSED_SOURCES_HASH
+#define AMPFUSED_SOURCES_HASH "unknown"
+#endif
+
+namespace py = pybind11;
+using namespace ampfused;
+using namespace ampfused::cpu;
+
+namespace {
+
+struct Isa {
+  const char* name;
+  void (*norm_check)(const Buf*, int64_t, const int64_t*, float, float*, int64_t, bool, int);
+  void (*adam)(const StepBufs&, const AdamConsts&, int);
+  void (*sgd)(const StepBufs&, const SgdConsts&, int);
+  bool supported;
+};
+
+std::vector<Isa> make_isas() {
+  std::vector<Isa> v;
+#if defined(AMPFUSED_HAVE_AVX512)
+  v.push_back({"avx512", isa_avx512::norm_check, isa_avx512::adam_apply, isa_avx512::sgd_apply,
+               __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")});
+#endif
+#if defined(AMPFUSED_HAVE_AVX2)
+  v.push_back({"avx2", isa_avx2::norm_check, isa_avx2::adam_apply, isa_avx2::sgd_apply,
+               bool(__builtin_cpu_supports("avx2"))});
+#endif
+  v.push_back({"default", isa_default::norm_check, isa_default::adam_apply, isa_default::sgd_apply, true});
+  return v;
+}
+
+const std::vector<Isa>& isas() {
+  static const std::vector<Isa> v = make_isas();
+  return v;
+}
+
+const Isa* g_isa = nullptr;
+
+const Isa& isa() {
+  if (!g_isa) {
+    for (const Isa& i : isas()) {
+      if (i.supported) { g_isa = &i; break; }
+    }
+  }
+  return *g_isa;
+}
+
+void set_isa(const std::string& name) {
+  for (const Isa& i : isas()) {
+    if (name == i.name) {
+      if (!i.supported) throw std::invalid_argument("this CPU cannot run the " + name + " kernels");
+      g_isa = &i;
+      return;
+    }
+  }
+  std::string known;
+  for (const Isa& i : isas()) known += std::string(known.empty() ? "" : ", ") + i.name;
+  throw std::invalid_argument("unknown instruction set '" + name + "'; built: " + known);
+}
+
+template <typename T>
+T* addr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
+int64_t chunks_of(int64_t n) { return (n + kChunk - 1) / kChunk; }
+
+int64_t num_partials(const std::vector<int64_t>& numels) {
+  int64_t p = 0;
+  for (int64_t n : numels) p += chunks_of(n);
+  return p;
+}
+
+void norm_check(const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& numels,
+                const std::vector<int>& dtypes, uintptr_t inv_scale, uintptr_t partials, int64_t P,
+                bool unscale, int nthreads) {
+  const size_t k = ptrs.size();
+  if (numels.size() != k || dtypes.size() != k) throw std::invalid_argument("ptrs, numels and dtypes differ in length");
+  std::vector<Buf> bufs(k);
+  std::vector<int64_t> first(k + 1, 0);
+  for (size_t i = 0; i < k; ++i) {
+    bufs[i] = Buf{addr<void>(ptrs[i]), numels[i], dtypes[i]};
+    first[i + 1] = first[i] + chunks_of(numels[i]);
+  }
+  if (first[k] != P) throw std::invalid_argument("partials has the wrong number of columns");
+  if (P == 0) return;
+  py::gil_scoped_release nogil;
+  isa().norm_check(bufs.data(), int64_t(k), first.data(), *addr<const float>(inv_scale), addr<float>(partials),
+                   P, unscale, nthreads);
+}
+
+// reference._prologue: reduce the partials in column order (fp64), record [norm, found_inf];
+// returns false when the step is skipped.
+bool prologue(const StepArgs& a, double max_norm, float* coef) {
+  double sumsq = 0.0;
+  bool found_inf = false;
+  for (int64_t k = 0; k < a.num_partials; ++k) {
+    sumsq += double(a.partials[k]);
+    found_inf |= a.partials[a.num_partials + k] > 0.0f;
+  }
+  const float norm = float(std::sqrt(sumsq));
+  a.out_stats[0] = norm;
+  a.out_stats[1] = found_inf ? 1.0f : 0.0f;
+  *coef = step_coef(*a.inv_scale, norm, max_norm);
+  return !found_inf;
+}
+
+StepArgs step_args(uintptr_t param, int param_dtype, uintptr_t grad, int grad_dtype, uintptr_t master,
+                   uintptr_t state1, uintptr_t state2, int64_t n, uintptr_t step, int step_code,
+                   uintptr_t partials, int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code,
+                   uintptr_t out_stats) {
+  StepArgs a;
+  a.param = addr<void>(param);
+  a.param_dtype = param_dtype;
+  a.grad = addr<const void>(grad);
+  a.grad_dtype = grad_dtype;
+  a.master = addr<float>(master);
+  a.state1 = addr<float>(state1);
+  a.state2 = addr<float>(state2);
+  a.n = n;
+  a.step = addr<void>(step);
+  a.step_code = step_code;
+  a.partials = addr<const float>(partials);
+  a.num_partials = num_partials;
+  a.inv_scale = addr<const float>(inv_scale);
+  a.lr = addr<const void>(lr);
+  a.lr_code = lr_code;
+  a.out_stats = addr<float>(out_stats);
+  return a;
+}
+
+StepBufs bufs_of(const StepArgs& a) {
+  return StepBufs{a.param, a.param_dtype, a.grad, a.grad_dtype, a.master, a.state1, a.state2, a.n};
+}
+
+void adam_step(uintptr_t param, int param_dtype, uintptr_t grad, int grad_dtype, uintptr_t master,
+               uintptr_t exp_avg, uintptr_t exp_avg_sq, int64_t n, uintptr_t step, int step_code,
+               uintptr_t partials, int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code,
+               uintptr_t out_stats, double beta1, double beta2, double eps, double weight_decay,
+               double max_norm, bool decoupled, bool maximize, int nthreads) {
+  const StepArgs a = step_args(param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, n, step,
+                               step_code, partials, num_partials, inv_scale, lr, lr_code, out_stats);
+  py::gil_scoped_release nogil;
+  float coef;
+  if (!prologue(a, max_norm, &coef)) return;
+  const float lr_f = float(read_scalar(a.lr, a.lr_code));
+  const double t = next_step(read_scalar(a.step, a.step_code));
+  const AdamConsts c = make_adam_consts(coef, lr_f, t, beta1, beta2, eps, weight_decay, decoupled, maximize);
+  isa().adam(bufs_of(a), c, nthreads);
+  add_one(a.step, a.step_code);
+}
+
+void sgd_step(uintptr_t param, int param_dtype, uintptr_t grad, int grad_dtype, uintptr_t master,
+              uintptr_t momentum_buf, int64_t n, uintptr_t step, int step_code, uintptr_t partials,
+              int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats,
+              double momentum, double dampening, double weight_decay, bool nesterov, double max_norm,
+              bool maximize, int nthreads) {
+  const StepArgs a = step_args(param, param_dtype, grad, grad_dtype, master, momentum != 0.0 ? momentum_buf : 0,
+                               0, n, step, step_code, partials, num_partials, inv_scale, lr, lr_code, out_stats);
+  py::gil_scoped_release nogil;
+  float coef;
+  if (!prologue(a, max_norm, &coef)) return;
+  const float lr_f = float(read_scalar(a.lr, a.lr_code));
+  const float step_f = float(read_scalar(a.step, a.step_code));
+  const SgdConsts c = make_sgd_consts(coef, lr_f, step_f, momentum, dampening, weight_decay, nesterov, maximize);
+  isa().sgd(bufs_of(a), c, nthreads);
+  add_one(a.step, a.step_code);
+}
+
+void update_scale_op(uintptr_t scale, uintptr_t growth_tracker, uintptr_t found_inf, double growth_factor,
+                     double backoff_factor, int64_t growth_interval) {
+  update_scale(addr<float>(scale), addr<int32_t>(growth_tracker), *addr<const float>(found_inf), growth_factor,
+               backoff_factor, growth_interval);
+}
+
+py::dict build_info() {
+  py::dict d;
+  d["version"] = AMPFUSED_VERSION;
+  d["sources_hash"] = AMPFUSED_SOURCES_HASH;
+  d["python"] = PY_VERSION;
+  d["compiler"] = __VERSION__;
+#if defined(_OPENMP)
+  d["openmp"] = int(_OPENMP);
+#else
+  d["openmp"] = 0;
+#endif
+  py::list built;
+  for (const Isa& i : isas()) built.append(i.name);
+  d["isas"] = built;
+  d["chunk"] = kChunk;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "ampfused CPU kernels (torch-free: raw addresses, sizes and dtype codes)";
+  m.attr("CHUNK") = kChunk;
+  m.attr("__version__") = AMPFUSED_VERSION;
+  m.def("build_info", &build_info);
+  m.def("isa", [] { return std::string(isa().name); }, "instruction set the kernels run with");
+  m.def("supported_isas", [] {
+    std::vector<std::string> v;
+    for (const Isa& i : isas()) if (i.supported) v.push_back(i.name);
+    return v;
+  });
+  m.def("set_isa", &set_isa, py::arg("name"));
+  m.def("num_partials", &num_partials, py::arg("numels"));
+  m.def("norm_check", &norm_check, py::arg("ptrs"), py::arg("numels"), py::arg("dtypes"), py::arg("inv_scale"),
+        py::arg("partials"), py::arg("num_partials"), py::arg("unscale"), py::arg("num_threads"));
+  m.def("adam_step", &adam_step);
+  m.def("sgd_step", &sgd_step);
+  m.def("update_scale", &update_scale_op, py::call_guard<py::gil_scoped_release>());
+}

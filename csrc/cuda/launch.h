@@ -1,0 +1,59 @@
+// Host API of the CUDA kernels, in plain C++ types: module.cpp (compiled by the C++ compiler, no CUDA
+// headers) calls it with raw device addresses and a stream handle. Every function enqueues work on
+// `stream` of `device` and returns "" on success or an error message; none allocates or synchronises,
+// so all of them can be captured in a CUDA graph.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "ampfused/math.h"
+#include "ampfused/step_args.h"
+
+namespace ampfused {
+namespace cuda {
+
+// K1 geometry: a tile is kThreads x kVec elements; a tensor of n elements gets
+// min(ceil(n / kTile), kMaxPartials) partials, partial j covering tiles j, j + P, j + 2P, ...
+// so the partials depend only on the sizes, never on the GPU or the grid that computed them.
+constexpr int kThreads = 256;
+constexpr int kVec = 8;
+constexpr int64_t kTile = int64_t(kThreads) * kVec;
+constexpr int64_t kMaxPartials = 1024;
+
+AF_HD int64_t partials_of(int64_t n) {
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  return tiles < kMaxPartials ? tiles : kMaxPartials;
+}
+
+struct Tensor1 {
+  void* ptr;
+  int64_t n;
+  int dtype;
+};
+
+// "" when a CUDA device can run the kernels, else why not (no device, driver too old, ...).
+std::string device_status();
+int runtime_version();  // CUDART_VERSION the module was built with
+int driver_version();   // 0 when no driver
+
+// Loads every kernel on `device` and caches what launches need, so later calls (in a graph capture,
+// say) load and query nothing. Called once per device before its first launch.
+std::string prepare(int device);
+
+std::string norm_check(int device, uintptr_t stream, const Tensor1* tensors, int64_t count, const float* inv_scale,
+                       float* partials, int64_t num_partials, bool unscale);
+
+// `counter`: a zeroed int32 of device workspace, one per step tensor; the kernel leaves it zero.
+// single_launch: K1 over grad into args.partials (then an output of [2, partials_of(n)]), a grid
+// barrier, then the step, in one cooperative launch.
+std::string adam_step(int device, uintptr_t stream, const StepArgs& args, const AdamHyper& h, int32_t* counter,
+                      bool single_launch);
+std::string sgd_step(int device, uintptr_t stream, const StepArgs& args, const SgdHyper& h, int32_t* counter,
+                     bool single_launch);
+
+std::string update_scale(int device, uintptr_t stream, float* scale, int32_t* growth_tracker, const float* found_inf,
+                         double growth_factor, double backoff_factor, int64_t growth_interval);
+
+}  // namespace cuda
+}  // namespace ampfused

@@ -1,0 +1,148 @@
+// ampfused._C_cuda: the CUDA backend. Torch-free: device addresses (Python ints), sizes, dtype codes,
+// the device index and a stream handle (torch: torch.cuda.current_stream().cuda_stream). cudart is
+// linked statically, so importing this module needs no GPU or driver; calls then raise with the reason.
+// ampfused/ops/cuda.py validates the tensors before any call.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "launch.h"
+
+#ifndef AMPFUSED_VERSION
+#define AMPFUSED_VERSION "unknown"
+#endif
+#ifndef AMPFUSED_SOURCES_HASH
+#define AMPFUSED_SOURCES_HASH "unknown"
+#endif
+#ifndef AMPFUSED_CUDA_ARCHS
+#define AMPFUSED_CUDA_ARCHS "unknown"
+#endif
+#ifndef AMPFUSED_NVCC_VERSION
+#define AMPFUSED_NVCC_VERSION "unknown"
+#endif
+
+namespace py = pybind11;
+using namespace ampfused;
+
+namespace {
+
+template <typename T>
+T* addr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
+void check(const std::string& err) {
+  if (!err.empty()) throw std::runtime_error("ampfused CUDA kernel: " + err);
+}
+
+int64_t num_partials(const std::vector<int64_t>& numels) {
+  int64_t p = 0;
+  for (int64_t n : numels) p += cuda::partials_of(n);
+  return p;
+}
+
+void norm_check(const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& numels, const std::vector<int>& dtypes,
+                uintptr_t inv_scale, uintptr_t partials, int64_t P, bool unscale, int device, uintptr_t stream) {
+  const size_t k = ptrs.size();
+  if (numels.size() != k || dtypes.size() != k) throw std::invalid_argument("ptrs, numels and dtypes differ in length");
+  if (num_partials(numels) != P) throw std::invalid_argument("partials has the wrong number of columns");
+  if (P == 0) return;
+  std::vector<cuda::Tensor1> ts(k);
+  for (size_t i = 0; i < k; ++i) ts[i] = cuda::Tensor1{addr<void>(ptrs[i]), numels[i], dtypes[i]};
+  check(cuda::norm_check(device, stream, ts.data(), int64_t(k), addr<const float>(inv_scale), addr<float>(partials), P,
+                         unscale));
+}
+
+StepArgs step_args(uintptr_t param, int param_dtype, uintptr_t grad, int grad_dtype, uintptr_t master,
+                   uintptr_t state1, uintptr_t state2, int64_t n, uintptr_t step, int step_code, uintptr_t partials,
+                   int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats) {
+  StepArgs a;
+  a.param = addr<void>(param);
+  a.param_dtype = param_dtype;
+  a.grad = addr<const void>(grad);
+  a.grad_dtype = grad_dtype;
+  a.master = addr<float>(master);
+  a.state1 = addr<float>(state1);
+  a.state2 = addr<float>(state2);
+  a.n = n;
+  a.step = addr<void>(step);
+  a.step_code = step_code;
+  a.partials = addr<const float>(partials);
+  a.num_partials = num_partials;
+  a.inv_scale = addr<const float>(inv_scale);
+  a.lr = addr<const void>(lr);
+  a.lr_code = lr_code;
+  a.out_stats = addr<float>(out_stats);
+  return a;
+}
+
+void check_single_launch(const StepArgs& a, bool single_launch) {
+  if (single_launch && a.num_partials != cuda::partials_of(a.n)) {
+    throw std::invalid_argument("single_launch: partials (an output here) must have " +
+                                std::to_string(cuda::partials_of(a.n)) + " columns, got " +
+                                std::to_string(a.num_partials));
+  }
+}
+
+void adam_step(uintptr_t param, int param_dtype, uintptr_t grad, int grad_dtype, uintptr_t master, uintptr_t exp_avg,
+               uintptr_t exp_avg_sq, int64_t n, uintptr_t step, int step_code, uintptr_t partials, int64_t P,
+               uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double beta1, double beta2,
+               double eps, double weight_decay, double max_norm, bool decoupled, bool maximize, int device,
+               uintptr_t stream, uintptr_t counter, bool single_launch) {
+  const StepArgs a = step_args(param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, n, step, step_code,
+                               partials, P, inv_scale, lr, lr_code, out_stats);
+  check_single_launch(a, single_launch);
+  const AdamHyper h{beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize};
+  check(cuda::adam_step(device, stream, a, h, addr<int32_t>(counter), single_launch));
+}
+
+void sgd_step(uintptr_t param, int param_dtype, uintptr_t grad, int grad_dtype, uintptr_t master,
+              uintptr_t momentum_buf, int64_t n, uintptr_t step, int step_code, uintptr_t partials, int64_t P,
+              uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double momentum, double dampening,
+              double weight_decay, bool nesterov, double max_norm, bool maximize, int device, uintptr_t stream,
+              uintptr_t counter, bool single_launch) {
+  const StepArgs a = step_args(param, param_dtype, grad, grad_dtype, master, momentum != 0.0 ? momentum_buf : 0, 0,
+                               n, step, step_code, partials, P, inv_scale, lr, lr_code, out_stats);
+  check_single_launch(a, single_launch);
+  const SgdHyper h{momentum, dampening, weight_decay, max_norm, nesterov, maximize};
+  check(cuda::sgd_step(device, stream, a, h, addr<int32_t>(counter), single_launch));
+}
+
+void update_scale_op(uintptr_t scale, uintptr_t growth_tracker, uintptr_t found_inf, double growth_factor,
+                  double backoff_factor, int64_t growth_interval, int device, uintptr_t stream) {
+  check(cuda::update_scale(device, stream, addr<float>(scale), addr<int32_t>(growth_tracker),
+                           addr<const float>(found_inf), growth_factor, backoff_factor, growth_interval));
+}
+
+py::dict build_info() {
+  py::dict d;
+  d["version"] = AMPFUSED_VERSION;
+  d["sources_hash"] = AMPFUSED_SOURCES_HASH;
+  d["python"] = PY_VERSION;
+  const int rt = cuda::runtime_version();
+  d["cuda_runtime"] = std::to_string(rt / 1000) + "." + std::to_string(rt % 1000 / 10);
+  d["nvcc"] = AMPFUSED_NVCC_VERSION;
+  d["archs"] = AMPFUSED_CUDA_ARCHS;
+  d["cudart"] = "static";
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C_cuda, m) {
+  m.doc() = "ampfused CUDA kernels (torch-free: device addresses, sizes, dtype codes, stream handles)";
+  m.attr("__version__") = AMPFUSED_VERSION;
+  m.attr("MAX_PARTIALS_PER_TENSOR") = cuda::kMaxPartials;
+  m.attr("TILE") = cuda::kTile;
+  m.def("build_info", &build_info);
+  m.def("device_status", &cuda::device_status, "'' when a CUDA device can run the kernels, else why not");
+  m.def("driver_version", &cuda::driver_version);
+  m.def("prepare", [](int device) { check(cuda::prepare(device)); }, py::arg("device"),
+        "load every kernel on the device and cache launch parameters (call before capturing graphs)");
+  m.def("num_partials", &num_partials, py::arg("numels"));
+  m.def("norm_check", &norm_check);
+  m.def("adam_step", &adam_step);
+  m.def("sgd_step", &sgd_step);
+  m.def("update_scale", &update_scale_op);
+}

@@ -1,0 +1,245 @@
+// Per-element math of every ampfused op, written once and shared by the CPU and CUDA drivers.
+//
+// The reference (ampfused/ops/reference.py) is the specification; each function here names the
+// expression of the reference it implements. Everything is fp32 arithmetic in the reference's order,
+// and the build turns floating-point contraction off (-ffp-contract=off, nvcc --fmad=false), so a
+// driver's result depends only on these expressions, never on the instruction set or thread count.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define AF_HD __host__ __device__ __forceinline__
+#else
+#define AF_HD inline __attribute__((always_inline))
+#endif
+
+namespace ampfused {
+
+// Element type codes shared with the Python side (ampfused/_native.py: DTYPE_CODES).
+enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// Storage types of the 16-bit formats: raw bits, converted by the functions below.
+struct bf16_t { uint16_t bits; };
+struct f16_t { uint16_t bits; };
+
+AF_HD uint32_t f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+AF_HD float f32_from_bits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// 1 if x is inf or NaN, else 0: an integer so drivers OR it without a branch.
+AF_HD uint32_t nonfinite(float x) { return (f32_bits(x) & 0x7fffffffu) >= 0x7f800000u ? 1u : 0u; }
+
+// |x| as ordered integer bits: a driver keeps the running max (one integer op per element) and
+// tests it once with nonfinite_abs_bits, instead of testing every element.
+AF_HD uint32_t abs_bits(float x) { return f32_bits(x) & 0x7fffffffu; }
+AF_HD bool nonfinite_abs_bits(uint32_t max_abs_bits) { return max_abs_bits >= 0x7f800000u; }
+
+// ---- conversions (round to nearest even; NaN stays NaN) ----------------------------------------
+
+AF_HD float to_f32(float x) { return x; }
+AF_HD float to_f32(bf16_t x) { return f32_from_bits(uint32_t(x.bits) << 16); }
+
+// IEEE half -> float without F16C: exact, branch-free (a select), NaN and inf kept. The normal path
+// rebiases the exponent with one exact multiply by 2^-112; subnormals come from a magic subtraction.
+AF_HD float to_f32(f16_t x) {
+  const uint32_t w = uint32_t(x.bits) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normal = f32_from_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float subnormal = f32_from_bits((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t r = two_w < (1u << 27) ? f32_bits(subnormal) : f32_bits(normal);
+  return f32_from_bits(sign | r);
+}
+
+template <typename T> AF_HD T from_f32(float f);
+
+template <> AF_HD float from_f32<float>(float f) { return f; }
+
+// float -> bfloat16, round to nearest even; a NaN keeps its sign and top payload bits, made quiet.
+template <> AF_HD bf16_t from_f32<bf16_t>(float f) {
+  const uint32_t u = f32_bits(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t nan = (u >> 16) | 0x40u;
+  return bf16_t{uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded)};
+}
+
+// float -> IEEE half, round to nearest even, overflow to inf, NaN -> quiet NaN with the sign kept
+// (the same bits as c10::Half). Rounding is done by one fp32 addition that aligns the mantissa.
+template <> AF_HD f16_t from_f32<f16_t>(float f) {
+  const float scale_to_inf = 0x1.0p+112f;
+  const float scale_to_zero = 0x1.0p-110f;
+  float base = (fabsf(f) * scale_to_inf) * scale_to_zero;
+  const uint32_t w = f32_bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  base = f32_from_bits((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = f32_bits(base);
+  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+  const uint32_t mantissa_bits = bits & 0x00000FFFu;
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  return f16_t{uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign))};
+}
+
+// ---- norm / check (K1) ---------------------------------------------------------------------------
+
+// reference._sumsq_and_flag: u = fp32(g) * inv_scale; the square is rounded to fp32 (so a finite
+// gradient can still give an infinite norm). Drivers add kSquaresPerSum squares in fp32 (cheap, and
+// short enough to stay accurate) and accumulate those sums in fp64, in an order fixed by the sizes.
+constexpr int kSquaresPerSum = 8;
+AF_HD float unscaled(float g, float inv_scale) { return g * inv_scale; }
+
+// reference.clip_coef: min(1, max_norm / (norm + 1e-6)) as torch evaluates it in fp32
+// (max_norm / t is reciprocal(t) * max_norm); exactly 1 when max_norm is inf; NaN stays NaN.
+AF_HD float clip_coef(float norm, double max_norm) {
+  if (fabs(max_norm) == INFINITY) return 1.0f;
+  const float c = (1.0f / (norm + 1e-6f)) * float(max_norm);
+  return c > 1.0f ? 1.0f : c;
+}
+
+// reference._prologue: coef = inv_scale * clip_coef(norm), both fp32.
+AF_HD float step_coef(float inv_scale, float norm, double max_norm) {
+  return inv_scale * clip_coef(norm, max_norm);
+}
+
+// reference.adam_step_: t = step.to(fp32) + 1.
+AF_HD double next_step(double step) { return double(float(step) + 1.0f); }
+
+// reference.bias_correction: 1 - beta**t as -expm1(t * log(beta)), here in fp64.
+AF_HD double bias_correction(double beta, double t) { return -expm1(t * log(beta)); }
+
+// ---- optimizer updates (K2) ------------------------------------------------------------------------
+
+// Per-step constants of Adam/AdamW, fp32, derived once per step by make_adam_consts.
+struct AdamConsts {
+  float coef;        // inv_scale * clip coefficient
+  float decay;       // AdamW: 1 - lr * weight_decay (1 for Adam)
+  float l2;          // Adam: weight_decay (0 for AdamW)
+  float lerp_w;      // 1 - beta1
+  float beta2, one_minus_beta2;
+  float step_size;   // lr / (1 - beta1**t)
+  float bc2_sqrt;    // sqrt(1 - beta2**t)
+  float eps;
+  int maximize, use_l2, lerp_small;
+};
+
+AF_HD AdamConsts make_adam_consts(float coef, float lr, double t, double beta1, double beta2, double eps,
+                                  double weight_decay, bool decoupled, bool maximize) {
+  AdamConsts c;
+  c.coef = coef;
+  c.decay = (decoupled && weight_decay != 0.0) ? 1.0f - lr * float(weight_decay) : 1.0f;
+  c.use_l2 = (!decoupled && weight_decay != 0.0) ? 1 : 0;
+  c.l2 = float(weight_decay);
+  c.lerp_w = float(1.0 - beta1);
+  c.lerp_small = fabsf(c.lerp_w) < 0.5f ? 1 : 0;
+  c.beta2 = float(beta2);
+  c.one_minus_beta2 = float(1.0 - beta2);
+  c.step_size = float(double(lr) / bias_correction(beta1, t));
+  c.bc2_sqrt = float(sqrt(bias_correction(beta2, t)));
+  c.eps = float(eps);
+  c.maximize = maximize ? 1 : 0;
+  return c;
+}
+
+// reference.adam_step_, one element: g is the raw gradient in fp32; w, m, v are updated in place.
+AF_HD void adam_update(float g, float& w, float& m, float& v, const AdamConsts& c) {
+  g = g * c.coef;
+  g = c.maximize ? -g : g;
+  g = c.use_l2 ? g + c.l2 * w : g;
+  float wn = w * c.decay;
+  // torch.lerp(m, g, 1 - beta1): the form torch picks by the weight's size
+  const float d = g - m;
+  const float mn = c.lerp_small ? m + c.lerp_w * d : g - d * (1.0f - c.lerp_w);
+  const float vn = v * c.beta2 + (c.one_minus_beta2 * g) * g;
+  const float denom = sqrtf(vn) / c.bc2_sqrt + c.eps;
+  wn = wn - (c.step_size * mn) / denom;
+  w = wn;
+  m = mn;
+  v = vn;
+}
+
+struct SgdConsts {
+  float coef, weight_decay, momentum, one_minus_dampening, lr;
+  int maximize, use_wd, use_momentum, nesterov, first;
+};
+
+AF_HD SgdConsts make_sgd_consts(float coef, float lr, float step, double momentum, double dampening,
+                                double weight_decay, bool nesterov, bool maximize) {
+  SgdConsts c;
+  c.coef = coef;
+  c.weight_decay = float(weight_decay);
+  c.use_wd = weight_decay != 0.0 ? 1 : 0;
+  c.momentum = float(momentum);
+  c.use_momentum = momentum != 0.0 ? 1 : 0;
+  c.one_minus_dampening = float(1.0 - dampening);
+  c.nesterov = nesterov ? 1 : 0;
+  c.first = step == 0.0f ? 1 : 0;
+  c.lr = lr;
+  c.maximize = maximize ? 1 : 0;
+  return c;
+}
+
+// reference.sgd_step_, one element: w and the momentum buffer b are updated in place (b untouched
+// without momentum).
+AF_HD void sgd_update(float g, float& w, float& b, const SgdConsts& c) {
+  g = g * c.coef;
+  g = c.maximize ? -g : g;
+  g = c.use_wd ? g + c.weight_decay * w : g;
+  if (c.use_momentum) {
+    const float bn = c.first ? g : b * c.momentum + c.one_minus_dampening * g;
+    g = c.nesterov ? g + c.momentum * bn : bn;
+    b = bn;
+  }
+  w = w - c.lr * g;
+}
+
+// ---- scale policy --------------------------------------------------------------------------------
+
+// reference.update_scale_ (torch._amp_update_scale_): products in fp64, rounded once to fp32.
+AF_HD void update_scale(float* scale, int32_t* growth_tracker, float found_inf, double growth_factor,
+                        double backoff_factor, int64_t growth_interval) {
+  if (found_inf > 0.0f) {
+    *scale = float(double(*scale) * backoff_factor);
+    *growth_tracker = 0;
+    return;
+  }
+  const int32_t successful = *growth_tracker + 1;
+  if (successful == growth_interval) {
+    const float grown = float(double(*scale) * growth_factor);
+    if (!nonfinite(grown)) *scale = grown;
+    *growth_tracker = 0;
+  } else {
+    *growth_tracker = successful;
+  }
+}
+
+// Reads a 0-d step/lr scalar stored as fp32 (code 0) or fp64 (code 3).
+AF_HD double read_scalar(const void* p, int code) {
+  return code == 3 ? *static_cast<const double*>(p) : double(*static_cast<const float*>(p));
+}
+AF_HD void add_one(void* p, int code) {
+  if (code == 3) *static_cast<double*>(p) += 1.0;
+  else *static_cast<float*>(p) += 1.0f;
+}
+
+}  // namespace ampfused

@@ -1,0 +1,83 @@
+"""The native build: what `pip install -e .` produced matches this checkout, the CUDA sources compile wherever
+nvcc is present (a CUDA compile error fails CI even without a GPU), and `python -m ampfused.info` runs."""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ampfused import _native, ops
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NATIVE_SKIPPED = os.environ.get("AMPFUSED_SKIP_NATIVE_BUILD") == "1"
+CUDA_SKIPPED = NATIVE_SKIPPED or os.environ.get("AMPFUSED_SKIP_CUDA_BUILD") == "1"
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NATIVE_SKIPPED, reason="AMPFUSED_SKIP_NATIVE_BUILD=1")
+def test_cpu_module_built_from_this_checkout():
+    assert _native.unavailable_reason("cpu") is None, _native.unavailable_reason("cpu")
+    info = _native.build_info("cpu")
+    assert info["sources_hash"] == _native._checkout_sources_hash()
+    mod = _native.module("cpu")
+    assert "default" in info["isas"] and mod.isa() in mod.supported_isas()
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+def test_cuda_sources_compile():
+    """Built by the install when nvcc is found; with the CUDA build switched off, compiled here for one arch."""
+    if not CUDA_SKIPPED:
+        why = _native.unavailable_reason("cuda")
+        assert why is None or why.startswith("no CUDA device") or "torch sees no CUDA" in why, (
+            f"nvcc is on PATH ({NVCC}) but ampfused._C_cuda is not usable: {why}")
+        info = _native.build_info("cuda")
+        assert info["sources_hash"] == _native._checkout_sources_hash() and info["archs"]
+        return
+    listed = subprocess.run([NVCC, "--list-gpu-arch"], capture_output=True, text=True).stdout.split()
+    arch = next((a.split("_")[1] for a in ("compute_90", "compute_80") if a in listed), "80")
+    out = os.path.join(ROOT, "build", "test_nvcc")
+    os.makedirs(out, exist_ok=True)
+    for src in sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))):
+        cmd = [NVCC, "-c", src, "-o", os.path.join(out, os.path.basename(src) + ".o"), "-std=c++17", "--fmad=false",
+               f"-I{os.path.join(ROOT, 'csrc', 'include')}", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout}\n{r.stderr}"
+
+
+@pytest.mark.skipif(CUDA_SKIPPED or NVCC is None, reason="CUDA build skipped or nvcc not on PATH")
+def test_cuda_module_imports_without_a_gpu():
+    """cudart is linked statically: importing never needs a driver; without a device calls say why."""
+    mod = _native.module("cuda")
+    status = mod.device_status()
+    assert isinstance(status, str)
+    if not torch.cuda.is_available():
+        assert status.startswith("no CUDA device")
+        reasons = ops.registry.reasons_for("cuda", torch.device("cuda"))
+        assert reasons and reasons[0].startswith("no CUDA device"), reasons
+
+
+def test_missing_and_stale_builds_say_how_to_rebuild(monkeypatch):
+    monkeypatch.setattr(_native, "_cache", {})
+    monkeypatch.setattr(_native, "_errors", {})
+    monkeypatch.setitem(_native.MODULES, "cpu", "ampfused._C_not_built")
+    why = _native.unavailable_reason("cpu")
+    assert "not built" in why and "pip install -e ." in why
+    if NATIVE_SKIPPED:
+        return
+    monkeypatch.setattr(_native, "_cache", {})
+    monkeypatch.setattr(_native, "_errors", {})
+    monkeypatch.setitem(_native.MODULES, "cpu", "ampfused._C")
+    monkeypatch.setattr(_native, "_checkout_sources_hash", lambda: "0123456789abcdef")
+    why = _native.unavailable_reason("cpu")
+    assert "stale" in why and "built from csrc/ sources" in why and "pip install -e ." in why
+
+
+def test_info_runs():
+    r = subprocess.run([sys.executable, "-m", "ampfused.info"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for text in ("ampfused 0.1", "torch ", "triton ", "nvcc ", "native modules:", "ampfused._C", "ampfused._C_cuda",
+                 "ops x backends", "adam_step_", "dispatch on cpu"):
+        assert text in r.stdout, f"{text!r} missing from python -m ampfused.info:\n{r.stdout}"
