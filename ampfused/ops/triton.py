@@ -47,6 +47,12 @@ class TritonBackend(Backend):
     def unavailable_reason(self) -> Optional[str]:
         return _IMPORT_ERROR
 
+    def not_supported_reasons(self, device: torch.device, dtypes=()) -> List[str]:
+        reasons = super().not_supported_reasons(device, dtypes)
+        if device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+            reasons.append("torch sees no CUDA device (torch.cuda.is_available() is False)")
+        return reasons
+
     # --------------------------------------------------------------------------------------------- helpers
 
     def _counter(self, device: torch.device) -> Tensor:
