@@ -88,7 +88,9 @@ def test_mixed_gradient_dtypes(norm_type):
     assert n.dtype == torch.float32
     torch.testing.assert_close(n.double(), norm64, rtol=1e-6, atol=0)
     for p, e in zip(ps, clipped64):
-        torch.testing.assert_close(p.grad, e.to(p.grad.dtype), rtol=torch.finfo(p.grad.dtype).eps, atol=0)
+        # the fp32 coefficient max_norm/(norm+1e-6) carries about one ulp (the norm's rounding, which depends
+        # on the backend's summation order), the product half an ulp more: two ulps of the exact result
+        torch.testing.assert_close(p.grad, e.to(p.grad.dtype), rtol=2 * torch.finfo(p.grad.dtype).eps, atol=0)
 
 
 def test_fp64_gradients_like_torch():

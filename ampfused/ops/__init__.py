@@ -49,13 +49,29 @@ def _pick(device: torch.device, dtypes: tuple, backend: Optional[str]) -> str:
     return _backend_name(str(device), dtypes, backend)
 
 
+# positions of the arguments each op writes (as declared in library.py's mutates_args)
+_MUTATED = {"norm_check": (), "unscale_": (0,), "update_scale_": (0, 1), "adam_step_": (0, 2, 3, 4, 5, 9),
+            "sgd_step_": (0, 2, 3, 4, 8)}
+
+
 def _call(op: str, probe: Tensor, *args):
     """Run ``op`` with the backend named last in ``args``. Eager calls on plain tensors go straight to the
-    backend (what the custom op would run, without its dispatch cost, which dominates launch-bound steps);
-    traced code, tensor subclasses and dispatch modes (fake tensors, meta) go through the custom op."""
+    backend (what the custom op would run, without its dispatch cost, which dominates launch-bound steps) and
+    bump the version counters of what it wrote, as the custom op would (caches such as the clip's rely on
+    them); traced code, tensor subclasses and dispatch modes (fake tensors, meta) go through the custom op."""
     if (type(probe) is Tensor and not torch.compiler.is_compiling()
             and _python_dispatch._get_current_dispatch_mode() is None):
-        return getattr(get_backend(args[-1]), op)(*args[:-1])
+        out = getattr(get_backend(args[-1]), op)(*args[:-1])
+        written = []
+        for i in _MUTATED[op]:
+            a = args[i]
+            if isinstance(a, Tensor):
+                written.append(a)
+            elif isinstance(a, (list, tuple)):
+                written.extend(a)
+        if written:
+            torch.autograd.graph.increment_version(written)
+        return out
     return getattr(library, op)(*args)
 
 
