@@ -56,7 +56,9 @@ def _make_grads(step, scale, model_dtype, gen):
     return grads
 
 
-def run_trajectory(kind, model_dtype, backend, steps=STEPS):
+def run_trajectory(kind, model_dtype, backend, steps=STEPS, fscaler_cls=torch.amp.GradScaler, long_loop=False):
+    """``long_loop``: scaler.unscale_(opt); ampfused.clip_grad_norm_(params); scaler.step(opt), with the clip
+    folded into the fused step; else the short loop with ``max_grad_norm`` on the optimizer."""
     fcls, tcls, hyper, max_norm = KINDS[kind]
     gen = torch.Generator().manual_seed(1)
     init = [torch.randn(s, generator=gen) for s in SHAPES]
@@ -64,10 +66,10 @@ def run_trajectory(kind, model_dtype, backend, steps=STEPS):
     rec32 = TorchRecipe(init, model_dtype, torch.float32, tcls, hyper, max_norm)
     rec64 = TorchRecipe(init, model_dtype, torch.float64, tcls, hyper, max_norm)
     params = [w.to(model_dtype, copy=True).requires_grad_() for w in init]
-    fopt = fcls(params, **hyper, max_grad_norm=max_norm, backend=backend)
+    fopt = fcls(params, **hyper, max_grad_norm=None if long_loop else max_norm, backend=backend)
     kw = dict(init_scale=2.0 ** 14, growth_interval=10)
     tscaler = torch.amp.GradScaler("cpu", enabled=use_scaler, **kw)
-    fscaler = torch.amp.GradScaler("cpu", enabled=use_scaler, **kw)
+    fscaler = fscaler_cls("cpu", enabled=use_scaler, **kw)
     history = []
     for step in range(steps):
         if use_scaler:
@@ -76,8 +78,11 @@ def run_trajectory(kind, model_dtype, backend, steps=STEPS):
         assert scale == (fscaler.get_scale() if use_scaler else 1.0), f"step {step}: scales diverged"
         grads = _make_grads(step, scale, model_dtype, gen)
         # fp32 torch recipe, with torch's scaler deciding the step
-        for m, g in zip(rec32.master, grads):
-            m.grad = g.float()
+        # the long loop unscales the low-precision gradients in place, so what the step sees is rounded to
+        # their dtype; the recipes get exactly those values (scale is a power of two: re-scaling is exact)
+        seen = [(g.float() / scale).to(model_dtype) for g in grads] if long_loop else None
+        for m, g, u in zip(rec32.master, grads, seen or grads):
+            m.grad = u.float() * scale if long_loop else g.float()
         if use_scaler:
             tscaler.unscale_(rec32.opt)
             found = sum(v.item() for v in tscaler._found_inf_per_device(rec32.opt).values()) > 0
@@ -91,8 +96,8 @@ def run_trajectory(kind, model_dtype, backend, steps=STEPS):
             rec32.opt.step()
         rec32.copy_back()
         # fp64 twin: the same decisions, fp64 math
-        for m, g in zip(rec64.master, grads):
-            m.grad = g.double() / scale
+        for m, g, u in zip(rec64.master, grads, seen or grads):
+            m.grad = u.double() if long_loop else g.double() / scale
         norm64 = rec64.clip()
         if not found:
             rec64.opt.step()
@@ -101,6 +106,10 @@ def run_trajectory(kind, model_dtype, backend, steps=STEPS):
         for p, g in zip(params, grads):
             p.grad.copy_(g)
         if use_scaler:
+            if long_loop:
+                fscaler.unscale_(fopt)
+                if max_norm is not None:
+                    ampfused.clip_grad_norm_(params, max_norm)
             fscaler.step(fopt)
             fscaler.update()
         else:
@@ -145,3 +154,11 @@ def test_bitwise_identical_when_run_twice(backend):
         assert sa == sb
         for x, y in zip(pa, pb):
             assert_bitwise("rerun", x, y)
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+@pytest.mark.parametrize("long_loop", [False, True], ids=["short", "long"])
+def test_fp16_with_ampfused_scaler_short_and_long_loop(long_loop, backend):
+    hist = run_trajectory("adamw", torch.float16, backend, steps=60, fscaler_cls=ampfused.GradScaler,
+                          long_loop=long_loop)
+    assert sum(s for s, _ in hist) >= 2
