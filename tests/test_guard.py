@@ -6,17 +6,8 @@ import pytest
 import torch
 
 import ampfused
-from backends import cpu_backends
+from backends import cpu_backends, snapshot
 from oracle import assert_bitwise
-
-
-def _snapshot(opt, params):
-    out = [p.detach().clone() for p in params]
-    for seg in opt._segments:
-        out += [seg.step.clone()] + [t.clone() for t in seg.states.values()]
-        if seg.master is not None:
-            out.append(seg.master.clone())
-    return out
 
 
 @pytest.mark.parametrize("backend", cpu_backends())
@@ -29,11 +20,11 @@ def test_grad_norm_spike_is_skipped_and_counted(backend):
     for k in range(30):
         for p in params:
             p.grad.copy_(torch.randn_like(p) * (50.0 if k in spikes_at else 1.0))
-        before = _snapshot(opt, params)
+        before = snapshot(opt, params)
         opt.step()
         if bool(opt.last_step_skipped):
             skipped.append(k)
-            for a, b in zip(before, _snapshot(opt, params)):
+            for a, b in zip(before, snapshot(opt, params)):
                 assert_bitwise(f"step {k}", a, b)
         assert opt.last_found_inf.item() == 0.0  # a spike is not an overflow: a scaler must not back off
     assert set(skipped) == spikes_at

@@ -8,17 +8,8 @@ import torch
 
 import ampfused
 from ampfused import ops
-from backends import cpu_backends
+from backends import cpu_backends, snapshot
 from oracle import assert_bitwise
-
-
-def _snapshot(opt, params):
-    snap = [p.detach().clone() for p in params]
-    for seg in opt._segments:
-        snap += [seg.step.clone()] + [t.clone() for t in seg.states.values()]
-        if seg.master is not None:
-            snap.append(seg.master.clone())
-    return snap
 
 
 @pytest.mark.parametrize("backend", cpu_backends())
@@ -34,13 +25,13 @@ def test_skipped_step_changes_nothing(make, bad, backend):
     for p in params:
         p.grad.copy_(torch.randn_like(p))
     opt.step()  # so that states are non-trivial
-    before = _snapshot(opt, params)
+    before = snapshot(opt, params)
     for p in params:
         p.grad.copy_(torch.randn_like(p))
     params[0].grad[2, 3] = bad
     opt.step()
     assert bool(opt.last_step_skipped) and opt.last_found_inf.item() == 1.0
-    for i, (a, b) in enumerate(zip(before, _snapshot(opt, params))):
+    for i, (a, b) in enumerate(zip(before, snapshot(opt, params))):
         assert_bitwise(f"tensor {i}", a, b)
     for p in params:
         p.grad.copy_(torch.randn_like(p))

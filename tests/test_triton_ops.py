@@ -13,6 +13,7 @@ import torch
 
 from ampfused import ops
 from ampfused.ops import reference
+from backends import TRITON_DEVICE, requires_triton
 from oracle import assert_bitwise, assert_close_to_oracle
 
 triton = pytest.importorskip("triton")
@@ -20,11 +21,8 @@ tl = pytest.importorskip("triton.language")
 from ampfused.triton_kernels._common import _round_to, _to_f32  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET else "cuda"
-pytestmark = pytest.mark.skipif(
-    bool(ops.registry.reasons_for("triton", torch.device(DEVICE)))
-    or (DEVICE == "cuda" and not torch.cuda.is_available()),
-    reason="triton backend cannot run here")
+DEVICE = TRITON_DEVICE
+pytestmark = requires_triton
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

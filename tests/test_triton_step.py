@@ -15,14 +15,12 @@ import torch
 
 from ampfused import ops
 from ampfused.ops import reference
+from backends import TRITON_DEVICE, requires_triton
 from oracle import assert_bitwise, assert_close_to_oracle
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET else "cuda"
-pytestmark = pytest.mark.skipif(
-    bool(ops.registry.reasons_for("triton", torch.device(DEVICE)))
-    or (DEVICE == "cuda" and not torch.cuda.is_available()),
-    reason="triton backend cannot run here")
+DEVICE = TRITON_DEVICE
+pytestmark = requires_triton
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 SCALE = 1024.0  # loss scale of the synthetic gradients; inv_scale = 1 / SCALE

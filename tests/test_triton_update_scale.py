@@ -7,14 +7,12 @@ import torch
 
 from ampfused import ops
 from ampfused.ops import reference
+from backends import TRITON_DEVICE, requires_triton
 from oracle import assert_bitwise
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET else "cuda"
-pytestmark = pytest.mark.skipif(
-    bool(ops.registry.reasons_for("triton", torch.device(DEVICE)))
-    or (DEVICE == "cuda" and not torch.cuda.is_available()),
-    reason="triton backend cannot run here")
+DEVICE = TRITON_DEVICE
+pytestmark = requires_triton
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
