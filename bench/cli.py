@@ -1,0 +1,189 @@
+"""``python -m bench``: options, then run, then CSV + table + plot (+ comparison with a saved run)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import List, Optional
+
+import torch
+
+from . import env as envmod
+from . import measure, report, workloads
+from .ampfused_variant import ampfused_variants
+from .check import MAX_ELEMENTS, CorrectnessError
+from .runner import Options, run
+from .variants import select, torch_variants
+
+DESCRIPTION = ("ampfused's fused optimizer step against torch's mixed-precision recipes. Every variant is "
+               "checked against ampfused.ops.reference before it is timed; results go to <out>/<device>.csv, "
+               ".txt and .png.")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+PER_DEVICE = {  # warmup, reps, seconds per measurement, copy buffer MB, compile budget s (whole run)
+    # the 2-3 check steps before timing warm a variant up too (first touch, compilation)
+    "cpu": dict(warmup=1, reps=20, max_seconds=6.0, copy_mb=512, compile_budget=180.0),
+    "cuda": dict(warmup=10, reps=100, max_seconds=10.0, copy_mb=2048, compile_budget=1800.0),
+}
+
+
+def _epilog() -> str:
+    lines = ["defaults per device:"]
+    for kind, d in PER_DEVICE.items():
+        base, full = workloads.DEFAULTS[kind], workloads.FULL[kind]
+        onoff = lambda c: "/".join("on" if x else "off" for x in c)  # noqa: E731
+        lines.append(f"  {kind}: {','.join(base['workloads'])} | {','.join(base['grad_dtypes'])} | clip "
+                     f"{onoff(base['clip'])} | warmup {d['warmup']}, reps {d['reps']}, {d['max_seconds']:g} s "
+                     "per measurement")
+        lines.append(f"  {' ' * len(kind)}  --full: {','.join(full['workloads'])} | {','.join(full['grad_dtypes'])} "
+                     f"| clip {onoff(full['clip'])}")
+    lines += ["examples:",
+              "  python -m bench                       # the default run for this machine",
+              "  python -m bench --full                # the whole sweep",
+              "  python -m bench --workloads 16Mx32 --variants torch-fused,ampfused-cpu --compare OLD.csv",
+              "  python -m bench.plot bench/results/<device>.csv",
+              "  python -m bench.compare OLD.csv NEW.csv"]
+    return "\n".join(lines)
+
+
+def _csv_list(s: str) -> List[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench", description=DESCRIPTION,
+                                epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda when available, else cpu)")
+    p.add_argument("--workloads", type=_csv_list, default=None,
+                   help="comma list: gpt2-small, gpt2-medium, gpt-1.3b, <model>/<k> (width/k), or "
+                        "<N>[k|M|B]x<tensors> (e.g. 16Mx32)")
+    p.add_argument("--full", action="store_true",
+                   help="the full sweep: all workloads of the device, fp32/bf16/fp16, with and without clipping")
+    p.add_argument("--dtypes", type=_csv_list, default=None, help="gradient dtypes: fp32,bf16,fp16")
+    p.add_argument("--clip", choices=["on", "off", "both"], default=None, help="gradient clipping")
+    p.add_argument("--no-scaler", action="store_true",
+                   help="no loss scaler in any variant (common with bf16); default: the full GradScaler recipe")
+    p.add_argument("--variants", type=_csv_list, default=None,
+                   help="comma list (all by default: torch-foreach, torch-fused, torch-compile, ampfused-<backend> for "
+                        "every backend available on the device)")
+    p.add_argument("--ampfused-api", choices=["auto", "optimizer", "functional"], default="auto",
+                   help="drive ampfused through FusedAdamW (auto: when importable) or the functional ops")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps before timing")
+    p.add_argument("--reps", type=int, default=None, help="timed steps per measurement")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop timing a measurement after this long (at least 5 steps)")
+    p.add_argument("--compile-budget", type=float, default=None,
+                   help="seconds torch.compile may take over the whole run, after which torch-compile is "
+                        "reported unavailable (default: cpu 180, cuda 1800)")
+    p.add_argument("--check-elements", type=int, default=MAX_ELEMENTS,
+                   help=f"check every element up to this many parameters, a per-tensor sample above "
+                        f"(default {MAX_ELEMENTS})")
+    p.add_argument("--copy-mb", type=int, default=None, help="buffer size for the copy-bandwidth measurement (default: cpu 512, cuda 2048)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--out", default=RESULTS, help="output directory (default: bench/results)")
+    p.add_argument("--name", default=None,
+                   help="file stem (default: the device, e.g. cpu-Intel-Xeon-2.50GHz, + -noscaler with --no-scaler)")
+    p.add_argument("--compare", metavar="FILE", default=None, help="print the change against a saved CSV")
+    p.add_argument("--keep-going", action="store_true",
+                   help="after a correctness failure, measure the rest (still exits non-zero)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _plan(args, device: torch.device):
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    base = workloads.FULL[kind] if args.full else workloads.DEFAULTS[kind]
+    names = args.workloads or base["workloads"]
+    dtypes = args.dtypes or base["grad_dtypes"]
+    bad = [d for d in dtypes if d not in workloads.DTYPES]
+    if bad:
+        raise SystemExit(f"unknown dtype(s) {bad}; use {list(workloads.DTYPES)}")
+    clips = {"on": [True], "off": [False], "both": [True, False], None: base["clip"]}[args.clip]
+    try:
+        return workloads.expand(names, dtypes, clips, device, scaler=not args.no_scaler)
+    except ValueError as e:
+        raise SystemExit(str(e))
+
+
+def _loadavg() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except OSError:
+        return "n/a"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    d = PER_DEVICE["cuda" if device.type == "cuda" else "cpu"]
+    opts = Options(warmup=args.warmup if args.warmup is not None else d["warmup"],
+                   reps=args.reps or d["reps"], max_seconds=args.max_seconds or d["max_seconds"],
+                   check_elements=args.check_elements, keep_going=args.keep_going)
+    instances = _plan(args, device)
+    variants = select(torch_variants(args.compile_budget or d["compile_budget"])
+                      + ampfused_variants(device, args.ampfused_api), args.variants)
+    env = envmod.describe(device)
+    # rows carry no scaler column: a run without one gets its own file rather than overwrite the default's
+    stem = args.name or envmod.device_stem(device) + ("-noscaler" if args.no_scaler else "")
+    csv_path = os.path.join(args.out, stem + ".csv")
+    saved = report.read_csv(args.compare) if args.compare else None  # before this run may overwrite it
+    t0 = time.perf_counter()
+    load0 = _loadavg()
+
+    nbytes = (args.copy_mb or d["copy_mb"]) * 2 ** 20
+    copy0, rmw0 = measure.copy_bandwidth(device, nbytes), measure.rmw_bandwidth(device, nbytes)
+    print(f"{env['device']}: copy_ {copy0:.1f} GB/s, read-modify-write {rmw0:.1f} GB/s; "
+          f"{len(instances)} configurations x "
+          f"{len(variants)} variants ({', '.join(v.name for v in variants)})", flush=True)
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(instances) * len(variants), unit="run", dynamic_ncols=True, file=sys.stderr)
+    try:
+        outcome = run(instances, variants, env, opts, progress=bar)
+    except CorrectnessError as e:
+        if bar is not None:
+            bar.close()
+        print(f"\nbenchmark stopped: {e}\nnothing was written; a wrong variant is never timed.", file=sys.stderr)
+        return 1
+    if bar is not None:
+        bar.close()
+
+    # measured again at the end; the higher of the two is the yardstick (a busy machine only lowers it)
+    copy1, rmw1 = measure.copy_bandwidth(device, nbytes), measure.rmw_bandwidth(device, nbytes)
+    copy_gbps, rmw_gbps = max(copy0, copy1), max(rmw0, rmw1)
+    report.fill_bandwidth(outcome.rows, copy_gbps)
+    elapsed = time.perf_counter() - t0
+    i0 = instances[0]
+    recipe = (f"step: AdamW lr={i0.lr:g} betas={i0.betas} eps={i0.eps:g} weight_decay={i0.weight_decay:g}, "
+              f"clip max_norm={i0.max_norm:g} where clip=true, "
+              + (f"loss scaler (init scale {i0.init_scale:g}) in every variant" if i0.scaler else "no loss scaler")
+              + "; bf16/fp16 models keep fp32 master weights")
+    notes = [recipe, f"bandwidth at the start / end of the run: copy_ {copy0:.1f} / {copy1:.1f} GB/s, "
+                     f"read-modify-write {rmw0:.1f} / {rmw1:.1f} GB/s (the higher is used)"] + outcome.notes + [
+        f"run took {elapsed:.0f} s; 1-minute load average before it {load0} on {os.cpu_count()} CPUs (other "
+        "processes make timings noisy; the run itself then adds about one per busy thread)"]
+    text = report.summary(outcome.rows, copy_gbps, env["device"], notes, rmw_gbps)
+    print("\n" + text)
+    if outcome.rows:
+        report.write_csv(outcome.rows, csv_path)
+        with open(os.path.join(args.out, stem + ".txt"), "w") as f:
+            f.write(text + "\n")
+        print(f"\nwrote {csv_path}")
+        if not args.no_plot:
+            from .plot import plot_csv
+            png = plot_csv(csv_path, os.path.join(args.out, stem + ".png"))
+            print(f"wrote {png}")
+    if saved is not None:
+        from .compare import compare_text
+        print("\n" + compare_text(saved, outcome.rows, args.compare))
+    if outcome.failures:
+        print("\nFAILED correctness checks (those variants were not timed):\n" + "\n".join(outcome.failures),
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,90 @@
+"""Step time against parameters (log-log), one line per variant, with the roofline of the byte model.
+
+``python -m bench.plot RESULTS.csv [-o OUT.png]``. One panel per (gradient dtype, clip); the roofline is
+``minimal_bytes / copy_bandwidth`` (bench/bytes.py), the fastest any step can be on that machine.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from collections import defaultdict
+from typing import List, Optional
+
+from .bytes import minimal_bytes
+from .report import read_csv
+from .workloads import DTYPES
+
+STYLE = {"torch-foreach": ("tab:gray", "o"), "torch-fused": ("tab:blue", "s"), "torch-compile": ("tab:purple", "^")}
+OTHER_COLORS = ["tab:red", "tab:green", "tab:orange", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"]
+
+
+def plot_rows(rows: List[dict], out: str, title: Optional[str] = None) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["grad_dtype"], r["clip"]) for r in rows})
+    cols = min(3, len(panels))
+    nrows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.5 * cols, 4.8 * nrows), squeeze=False)
+    others = sorted({r["variant"] for r in rows} - set(STYLE))
+    style = dict(STYLE, **{v: (OTHER_COLORS[i % len(OTHER_COLORS)], "D") for i, v in enumerate(others)})
+    for ax, (dtype, clip) in zip(axes.flat, panels):
+        sel = [r for r in rows if r["grad_dtype"] == dtype and r["clip"] == clip]
+        lines = defaultdict(list)
+        for r in sel:
+            lines[r["variant"]].append((int(r["numel"]), float(r["median_ms"]), float(r["p20_ms"]),
+                                        float(r["p80_ms"]), r["workload"]))
+        for variant, pts in sorted(lines.items()):
+            pts.sort()
+            color, marker = style[variant]
+            x = [p[0] for p in pts]
+            y = [p[1] for p in pts]
+            err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
+            ax.errorbar(x, y, yerr=err, color=color, marker=marker, label=variant, capsize=2, lw=1.5)
+        copy_gbps = float(sel[0]["copy_gbps"])
+        g = DTYPES[dtype]
+        xs = sorted({int(r["numel"]) for r in sel})
+        roof = [minimal_bytes(n, g, g, g != DTYPES["fp32"]) / (copy_gbps * 1e9) * 1e3 for n in xs]
+        ax.plot(xs, roof, "k--", lw=1, label=f"roofline ({copy_gbps:.0f} GB/s copy)")
+        names = {int(r["numel"]): r["workload"] for r in sel}
+        for n in xs:
+            ax.annotate(names[n], (n, roof[xs.index(n)]), textcoords="offset points", xytext=(0, -14),
+                        fontsize=7, ha="center", color="0.35", annotation_clip=False)
+        ax.margins(x=0.08)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("parameters")
+        ax.set_ylabel("step time (ms, median; bars p20-p80)")
+        ax.set_title(f"{dtype} grads, clip {clip}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    first = rows[0]
+    fig.suptitle(title or f"{first['device']}\ntorch {first['torch']}, ampfused {first['git_sha']}", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_csv(csv_path: str, out: Optional[str] = None) -> str:
+    rows = read_csv(csv_path)
+    if not rows:
+        raise SystemExit(f"{csv_path} has no rows to plot")
+    return plot_rows(rows, out or os.path.splitext(csv_path)[0] + ".png")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.plot", description=__doc__)
+    p.add_argument("csv")
+    p.add_argument("-o", "--out", default=None, help="PNG path (default: the CSV's path with .png)")
+    args = p.parse_args(argv)
+    print(plot_csv(args.csv, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

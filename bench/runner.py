@@ -1,0 +1,119 @@
+"""The run loop: for each instance, the reference once, then each variant checked, timed and profiled."""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import List
+
+import torch
+
+from . import measure
+from .bytes import minimal_bytes
+from .check import MAX_ELEMENTS, CorrectnessError, check, make_plan, run_reference
+from .report import NA, fill_speedups
+from .variants import TorchCompile, Unavailable, Variant
+from .workloads import DTYPE_NAMES, Instance, init_params
+
+
+@dataclass
+class Options:
+    warmup: int = 3
+    reps: int = 20
+    max_seconds: float = 8.0  # per measurement, once at least 5 steps are timed
+    check_elements: int = MAX_ELEMENTS
+    keep_going: bool = False  # after a correctness failure, go on with the other variants (exit non-zero)
+
+
+@dataclass
+class Outcome:
+    rows: List[dict]
+    notes: List[str]
+    failures: List[str]
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _row(env: dict, inst: Instance, v: Variant, timing: measure.Timing, prof: measure.StepProfile,
+         persistent: int) -> dict:
+    wl = inst.workload
+    gbps = minimal_bytes(wl.numel, inst.grad_dtype, inst.param_dtype, inst.master) / (timing.median / 1e3) / 1e9
+    peak = NA if prof.transient_bytes is None else f"{(persistent + prof.transient_bytes) / 1e6:.1f}"
+    return dict(env, workload=wl.name, numel=wl.numel, tensors=wl.tensors,
+                grad_dtype=DTYPE_NAMES[inst.grad_dtype], param_dtype=DTYPE_NAMES[inst.param_dtype],
+                clip=str(inst.clip).lower(), variant=v.name, backend=v.backend,
+                median_ms=f"{timing.median:.4f}", p20_ms=f"{timing.p20:.4f}", p80_ms=f"{timing.p80:.4f}",
+                gbps_effective=f"{gbps:.4g}",
+                host_syncs=NA if prof.host_syncs is None else prof.host_syncs,
+                launches=NA if prof.launches is None else prof.launches, peak_mem_mb=peak)
+
+
+def run(instances: List[Instance], variants: List[Variant], env: dict, opts: Options, progress=None) -> Outcome:
+    """Measure every variant on every instance. ``progress``: a tqdm-like object (``update``, ``write``,
+    ``set_postfix_str``) or None. Rows get their bandwidth columns from :func:`report.fill_bandwidth`. Raises :class:`CorrectnessError` on the first wrong variant unless
+    ``opts.keep_going``."""
+    rows: List[dict] = []
+    notes: List[str] = []
+    failures: List[str] = []
+
+    def say(msg: str) -> None:
+        notes.append(msg)
+        if progress is not None:
+            progress.write(msg)
+
+    for inst in instances:
+        label = inst.label()
+        if progress is not None:
+            progress.set_postfix_str(f"{label}: reference")
+        params = init_params(inst)
+        plan = make_plan(inst, opts.check_elements)
+        expected = run_reference(inst, params, plan)
+        for v in variants:
+            if progress is not None:
+                progress.set_postfix_str(f"{label}: {v.name}")
+            try:
+                _measure_one(inst, v, params, plan, expected, env, opts, rows, say)
+            except Unavailable as e:
+                if e.permanent:
+                    v.disabled = str(e)
+                say(f"{v.name} on {label}: unavailable: {e}")
+            except CorrectnessError as e:
+                failures.append(str(e))
+                if progress is not None:
+                    progress.write(f"FAILED: {e}")
+                if not opts.keep_going:
+                    raise
+            finally:
+                _free(inst.device)
+                if progress is not None:
+                    progress.update(1)
+        del params, plan, expected
+        _free(inst.device)
+    fill_speedups(rows)
+    return Outcome(rows, notes, failures)
+
+
+def _measure_one(inst, v, params, plan, expected, env, opts, rows, say) -> None:
+    if v.disabled:
+        raise Unavailable(f"not run: {v.disabled}")
+    cuda = inst.device.type == "cuda"
+    baseline = torch.cuda.memory_allocated(inst.device) if cuda else 0
+    runner = v.build(inst, params)
+    check(runner, inst, plan, expected)  # raises before anything is timed
+    grads = plan.timing_grads
+
+    def refill():
+        runner.set_grads(grads)
+
+    timing = measure.time_steps(runner.step, refill, inst.device, opts.warmup, opts.reps, opts.max_seconds)
+    # what the variant holds between steps: on CUDA everything it allocated (compiled code's buffers too),
+    # elsewhere the storages behind its tensors
+    persistent = (torch.cuda.memory_allocated(inst.device) - baseline if cuda
+                  else measure.storage_bytes(runner.tensors()))
+    prof = measure.profile_step(runner.step, refill, inst.device, compiled=isinstance(v, TorchCompile))
+    rows.append(_row(env, inst, v, timing, prof, persistent))
+    for n in runner.notes:
+        say(f"{v.name} on {inst.label()}: {n}")

@@ -1,0 +1,148 @@
+"""The benchmark's own checks: variants agree with the reference, a wrong one stops the run, the CSV is whole."""
+import csv
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # bench/ is a directory of the repository, not part of the installed package
+    sys.path.insert(0, REPO)
+
+from bench import cli, report, workloads  # noqa: E402
+from bench.ampfused_variant import ampfused_backends, ampfused_variants  # noqa: E402
+from bench.bytes import minimal_bytes_per_param, two_pass_bytes_per_param  # noqa: E402
+from bench.check import CorrectnessError, check, make_plan, run_reference  # noqa: E402
+from bench.variants import TorchForeach, TorchFused, TorchRecipe  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def _instance(dtype="bf16", clip=True, scaler=True, name="3001x7"):
+    return workloads.expand([name], [dtype], [clip], CPU, scaler=scaler)[0]
+
+
+def _variants():
+    return [TorchForeach(), TorchFused()] + ampfused_variants(CPU, "optimizer") + ampfused_variants(CPU, "functional")
+
+
+@pytest.mark.parametrize("scaler", [True, False], ids=["scaler", "noscaler"])
+@pytest.mark.parametrize("clip", [True, False], ids=["clip", "noclip"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_every_variant_matches_the_reference(dtype, clip, scaler):
+    inst = _instance(dtype, clip, scaler)
+    params = workloads.init_params(inst)
+    plan = make_plan(inst)
+    expected = run_reference(inst, params, plan)
+    for v in _variants():
+        check(v.build(inst, params), inst, plan, expected)
+
+
+def test_sampled_check_matches_too():
+    inst = _instance(name="40000x3")
+    params = workloads.init_params(inst)
+    plan = make_plan(inst, max_elements=6000)
+    assert all(s is not None and s.numel() < 40000 // 3 for s in plan.sample)
+    expected = run_reference(inst, params, plan)
+    for v in [TorchForeach()] + ampfused_variants(CPU):
+        check(v.build(inst, params), inst, plan, expected)
+
+
+class _Wrong(TorchForeach):
+    """torch's recipe with one rule changed: what the check must refuse to time."""
+
+    def __init__(self, name, **change):
+        super().__init__()
+        self.name, self.change = name, change
+
+    def build(self, inst, params):
+        return TorchRecipe(self.name, "foreach", dataclasses.replace(inst, **self.change), params, "foreach")
+
+
+@pytest.mark.parametrize("change", [dict(clip=False), dict(weight_decay=0.0), dict(lr=1.01e-3),
+                                    dict(betas=(0.9, 0.96)), dict(scaler=False)],
+                         ids=["no-clip", "no-decay", "lr+1%", "beta2", "no-unscale"])
+def test_a_wrong_variant_fails_the_check(change):
+    inst = _instance("bf16", clip=True)
+    params = workloads.init_params(inst)
+    plan = make_plan(inst)
+    expected = run_reference(inst, params, plan)
+    with pytest.raises(CorrectnessError, match="wrong computes something else than ampfused.ops.reference"):
+        check(_Wrong("wrong", **change).build(inst, params), inst, plan, expected)
+
+
+def _argv(tmp_path, variants, *extra):
+    return ["--device", "cpu", "--workloads", "2000x5,30000x3", "--dtypes", "bf16", "--variants", variants,
+            "--reps", "3", "--warmup", "1", "--copy-mb", "8", "--out", str(tmp_path), "--name", "t",
+            "--no-progress", *extra]
+
+
+def test_end_to_end_writes_the_csv_table_and_plot(tmp_path, capsys):
+    names = ",".join(["torch-foreach", "torch-fused"] + [f"ampfused-{b}" for b in ampfused_backends(CPU)])
+    assert cli.main(_argv(tmp_path, names)) == 0
+    with open(tmp_path / "t.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == report.COLUMNS
+        rows = list(reader)
+    assert len(rows) == 2 * len(names.split(","))
+    for r in rows:
+        assert float(r["median_ms"]) > 0 and float(r["p20_ms"]) <= float(r["median_ms"]) <= float(r["p80_ms"])
+        assert float(r["copy_gbps"]) > 0 and float(r["gbps_effective"]) > 0
+        assert r["host_syncs"] == "n/a"  # unmeasurable on CPU, and said so
+        assert r["param_dtype"] == "bf16" and r["clip"] == "true"
+        if r["variant"] == "torch-fused":
+            assert float(r["speedup_vs_torch_fused"]) == pytest.approx(1.0)
+    assert (tmp_path / "t.png").stat().st_size > 0
+    assert "x best torch" in (tmp_path / "t.txt").read_text()
+    # --compare against the run just saved, which this run overwrites: the comparison reads it first
+    capsys.readouterr()
+    assert cli.main(_argv(tmp_path, "torch-fused", "--compare", str(tmp_path / "t.csv"), "--no-plot")) == 0
+    out = capsys.readouterr().out
+    assert "change against" in out and "only in the saved run" in out and "ampfused-" in out
+
+
+def test_a_wrong_variant_stops_the_benchmark_loudly(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "ampfused_variants", lambda device, api: [_Wrong("wrong", clip=False)])
+    assert cli.main(_argv(tmp_path, "torch-fused,wrong")) == 1
+    err = capsys.readouterr().err
+    assert "wrong computes something else" in err and "exp_avg" in err
+    assert not (tmp_path / "t.csv").exists()  # nothing is written from a run with a wrong variant
+
+
+def test_byte_model():
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert minimal_bytes_per_param(bf16, bf16, True) == 28  # design: single-launch = 28 B/param from DRAM
+    assert two_pass_bytes_per_param(bf16, bf16, True) == 30  # design: two-kernel step = 30 B/param
+    assert minimal_bytes_per_param(fp16, fp16, True) == 28
+    assert minimal_bytes_per_param(fp32, fp32, False) == 28
+
+
+def test_workloads():
+    gpt2 = workloads.parse("gpt2-small")
+    assert (gpt2.numel, gpt2.tensors) == (124_439_808, 148)
+    assert workloads.parse("gpt2-medium").numel == 354_823_168
+    w = workloads.parse("1Mx200")
+    assert (w.numel, w.tensors) == (1_000_000, 200)
+    with pytest.raises(ValueError, match="unknown workload"):
+        workloads.parse("gpt5")
+
+
+def test_compile_budget_is_reported_as_unavailable():
+    # in a subprocess: an interrupted compile must not leave dynamo state behind in this test session
+    code = (
+        "import torch\n"
+        "from bench import workloads, check as C\n"
+        "from bench.variants import TorchCompile, Unavailable\n"
+        "inst = workloads.expand(['3000x3'], ['bf16'], [True], torch.device('cpu'))[0]\n"
+        "p = workloads.init_params(inst); plan = C.make_plan(inst); exp = C.run_reference(inst, p, plan)\n"
+        "try:\n"
+        "    C.check(TorchCompile(budget_s=0.05).build(inst, p), inst, plan, exp)\n"
+        "except Unavailable as e:\n"
+        "    assert 'budget' in str(e) and e.permanent, e  # the run's budget is spent\n"
+        "    print('UNAVAILABLE', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "UNAVAILABLE" in out.stdout, out.stdout + out.stderr
