@@ -163,6 +163,7 @@ def test_long_loop_with_torch_scaler_unscale_and_torch_clip():
     scaler.unscale_(fopt)
     torch.testing.assert_close(fparams[0].grad.float(), (grads[0] * 256).bfloat16().float() / 256)
     norm = torch.nn.utils.clip_grad_norm_(fparams, 0.5)
+    assert norm > 0.5  # so the clip bites
     scaler.step(fopt)
     scaler.update()
     clipped = torch.cat([p.grad.float().flatten() for p in fparams])  # the step never writes grads back
