@@ -150,7 +150,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for dtype, ps in by_dtype.items():
             flat = FlatBuffer(ps)
             use_master = self.master_weights if self.master_weights is not None else dtype in LOW_PRECISION
-            master = flat.data.float() if use_master else None
+            master = flat.data.to(torch.float32, copy=True) if use_master else None
             cd_like = master if master is not None else flat.data
             states = {name: torch.zeros_like(cd_like) for name in self.state_names}
             seg = _Segment(gi, flat, master, states)
