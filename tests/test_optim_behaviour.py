@@ -208,3 +208,14 @@ def test_custom_ops_pass_opcheck():
                 (p, g, master, m, step, part, inv, lr, st, 0.9, 0.0, 0.0, True, math.inf, False, b))
         opcheck(torch.ops.ampfused.update_scale_.default,
                 (torch.tensor(8.0), torch.zeros((), dtype=torch.int32), torch.tensor(0.0), 2.0, 0.5, 2, b))
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_master_weights_true_on_fp32_params_keeps_a_separate_master(backend):
+    params = [torch.randn(10, requires_grad=True)]
+    opt = ampfused.FusedAdamW(params, master_weights=True, backend=backend)
+    master = opt.state[params[0]]["master_param"]
+    assert master.data_ptr() != params[0].data_ptr()
+    params[0].grad.fill_(1.0)
+    opt.step()
+    assert torch.equal(master, params[0].detach()) and opt.state[params[0]]["step"].item() == 1
