@@ -132,3 +132,29 @@ def test_nonfinite_report_names_exactly_the_injected_parameters(how):
     opt.step()
     assert bool(opt.last_step_skipped)
     assert opt.nonfinite_report() == {"0.bias": 1, "2.weight": 2}
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_step_never_reads_to_the_host(monkeypatch, backend):
+    """With a scaler, spike guard, divisor tensor, loss and non-finite tracking, step() reads nothing back."""
+    params = [torch.randn(20, dtype=torch.bfloat16, requires_grad=True), torch.randn(5, requires_grad=True)]
+    opt = ampfused.FusedAdamW(params, lr=torch.tensor(1e-2), max_grad_norm=1.0, backend=backend,
+                              spike_guard=ampfused.SpikeGuard(factor=4.0, loss_factor=4.0, window=4, warmup=2),
+                              track_nonfinite=True)
+    scaler = ampfused.GradScaler("cpu", init_scale=64.0, growth_interval=2, backend=backend)
+    scaler.scale(torch.ones(()))
+    divisor = torch.tensor(3.0)
+
+    def refuse(*a, **k):
+        raise AssertionError("host read during step")
+    for k in range(4):
+        for p in params:
+            p.grad.copy_(torch.randn_like(p) * 64)
+        params[0].grad[k] = math.inf if k == 2 else params[0].grad[k]
+        with monkeypatch.context() as mp:
+            for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy"):
+                mp.setattr(torch.Tensor, name, refuse)
+            scaler.step(opt, grad_divisor=divisor, loss=torch.tensor(1.0))
+            scaler.update()
+        assert bool(opt.last_step_skipped) == (k == 2)
+    assert opt.stats()["skipped_overflow"].item() == 1

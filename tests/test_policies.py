@@ -14,6 +14,7 @@ import torch
 import ampfused
 from ampfused.policies import (AggressivePolicy, DynamicPolicy, HysteresisPolicy, MinScaleError, StaticPolicy,
                                registered_scale_policies)
+from backends import cpu_backends
 from oracle import assert_bitwise
 
 # 60 iterations: isolated overflows, bursts of 2, 3 and 7, clean runs long enough to grow several times
@@ -118,6 +119,17 @@ def test_trajectory_matches_the_rule(name, hp):
     if _kind(name) != "static":
         moves = [b[0] - a[0] for a, b in zip(got, got[1:])]
         assert min(moves) < 0 < max(moves)  # the scale really moved both ways
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+@pytest.mark.parametrize("name", ["dynamic", "hysteresis2", "aggressive"])
+def test_trajectory_matches_the_rule_on_every_backend(name, backend):
+    """The scaler's ops (unscale_, and update_scale_ for "dynamic") run on each backend available here."""
+    make, opts = POLICIES[name]
+    hp = dict(init=3.0e5, gf=1.7, bf=0.3, gi=3)
+    s = ampfused.GradScaler("cpu", init_scale=hp["init"], growth_factor=hp["gf"], backoff_factor=hp["bf"],
+                            growth_interval=hp["gi"], policy=make(), backend=backend)
+    assert _drive(s, 30, OVERFLOWS) == [w[:2] for w in _model(_kind(name), 30, OVERFLOWS, **hp, **opts)]
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
