@@ -272,5 +272,7 @@ setup(
     ext_modules=native_extensions(),
     cmdclass={"build_ext": NativeBuild},
     install_requires=["torch>=2.4", "numpy", "triton; platform_system == 'Linux'"],
-    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis"], "bench": ["matplotlib", "tqdm"]},
+    # the test suite runs the benchmark end to end (table, CSV and plot), so it needs the bench extras too
+    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib", "tqdm"],
+                    "bench": ["matplotlib", "tqdm"]},
 )
