@@ -158,3 +158,38 @@ def test_step_never_reads_to_the_host(monkeypatch, backend):
             scaler.update()
         assert bool(opt.last_step_skipped) == (k == 2)
     assert opt.stats()["skipped_overflow"].item() == 1
+
+
+def test_guard_state_travels_in_the_optimizer_state_dict():
+    def make(ps):
+        return ampfused.FusedSGD(ps, lr=0.1, spike_guard=ampfused.SpikeGuard(factor=3.0, window=4, warmup=2))
+    params = [torch.randn(8, requires_grad=True)]
+    opt = make(params)
+    for scale in [1.0, 1.1, 0.9, 50.0]:
+        params[0].grad.fill_(scale)
+        opt.step()
+    assert bool(opt.last_step_skipped)
+    sd = opt.state_dict()
+    assert sd["spike_guard"]["norm_count"] == 3
+    params2 = [params[0].detach().clone().requires_grad_()]
+    opt2 = make(params2)
+    opt2.load_state_dict(sd)
+    params2[0].grad.fill_(40.0)
+    opt2.step()  # the loaded window already knows the typical norm: a spike at once
+    assert bool(opt2.last_step_skipped)
+    st = opt2.stats()
+    assert (st["steps"].item(), st["skipped_spike"].item(), st["skipped_overflow"].item()) == (0, 1, 0)
+    torch.optim.SGD([torch.randn(8, requires_grad=True)], lr=0.1).load_state_dict(sd)  # torch ignores the key
+
+
+def test_bad_divisor_changes_nothing_even_after_unscale():
+    params = [torch.randn(4, requires_grad=True)]
+    opt = ampfused.FusedSGD(params, lr=0.1)
+    scaler = ampfused.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    params[0].grad.fill_(4.0)
+    scaler.unscale_(opt)
+    cache = opt._partials_cache
+    with pytest.raises(ValueError, match="grad_divisor must be a positive finite number"):
+        opt.step(grad_divisor=-1.0)
+    assert opt._partials_cache is cache and opt._segments[0].step.item() == 0

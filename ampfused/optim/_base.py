@@ -136,6 +136,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._one = torch.ones((), dtype=torch.float32, device=dev)
         self._overflow = torch.zeros((), dtype=torch.float32, device=dev)  # found_inf alone, when a guard runs
         self._steps_at_load = torch.zeros((), dtype=torch.float32, device=dev)
+        self._spikes_at_load = 0.0  # spike-guard count when stats() started counting
 
     # --- construction -------------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -192,19 +193,26 @@ class FusedOptimizer(torch.optim.Optimizer):
             seg.lr_value = lr
         return seg.lr
 
-    def _divide(self, inv_scale: Tensor, grad_divisor) -> Tensor:
-        """Fold a gradient-accumulation divisor into the unscale coefficient (no extra pass)."""
+    @staticmethod
+    def _check_divisor(grad_divisor) -> None:
         if grad_divisor is None:
-            return inv_scale
+            return
         if isinstance(grad_divisor, Tensor):
             if grad_divisor.numel() != 1 or not grad_divisor.is_floating_point() and grad_divisor.dtype not in (
                     torch.int32, torch.int64):
                 raise ValueError("grad_divisor must be a number or a 1-element float/int tensor, got "
                                  f"{grad_divisor.dtype} tensor of shape {tuple(grad_divisor.shape)}")
-            return inv_scale / grad_divisor.to(device=inv_scale.device, dtype=torch.float32).reshape(())
-        if isinstance(grad_divisor, bool) or not isinstance(grad_divisor, (int, float)) or not grad_divisor > 0 \
+        elif isinstance(grad_divisor, bool) or not isinstance(grad_divisor, (int, float)) or not grad_divisor > 0 \
                 or math.isinf(grad_divisor):
             raise ValueError(f"grad_divisor must be a positive finite number or a tensor, got {grad_divisor!r}")
+
+    @staticmethod
+    def _divide(inv_scale: Tensor, grad_divisor) -> Tensor:
+        """Fold a gradient-accumulation divisor into the unscale coefficient (no extra pass)."""
+        if grad_divisor is None:
+            return inv_scale
+        if isinstance(grad_divisor, Tensor):
+            return inv_scale / grad_divisor.to(device=inv_scale.device, dtype=torch.float32).reshape(())
         return inv_scale / float(grad_divisor)
 
     def _partials_and_inv_scale(self, grad_divisor=None):
@@ -230,6 +238,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """One fused step. ``grad_divisor`` (number or device tensor) divides the gradients exactly, folded
         into the unscale coefficient, so the norm, clip and inf check see the normalised gradients. ``loss``
         (a device tensor, never read) feeds the spike guard's loss rule."""
+        self._check_divisor(grad_divisor)  # before anything changes
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -238,7 +247,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._sync_grads()
         partials, inv_scale = self._partials_and_inv_scale(grad_divisor)
         if self.track_nonfinite:
-            self._count_nonfinite(inv_scale)
+            self._count_nonfinite()
         lr_mult = None
         guard = self.spike_guard
         if guard is not None:
@@ -282,7 +291,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Counters as device tensors, to log every N steps without a sync per step (since construction or
         the last load_state_dict)."""
         taken = self._segments[0].step - self._steps_at_load if self._segments else self._one * 0
-        spikes = self.spike_guard.spikes.float() if self.spike_guard is not None and \
+        spikes = self.spike_guard.spikes.float() - self._spikes_at_load if self.spike_guard is not None and \
             self.spike_guard._device is not None else torch.zeros_like(taken)
         skipped_spike = spikes if self.spike_guard is not None and self.spike_guard.action == "skip" else \
             torch.zeros_like(taken)
@@ -295,7 +304,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             return names[index]
         return self._module_names.get(id(p), f"param_groups[{gi}][{index}] {tuple(p.shape)}")
 
-    def _count_nonfinite(self, inv_scale: Tensor) -> None:
+    def _count_nonfinite(self) -> None:
         """Per-parameter count of non-finite gradient elements (one extra read of the gradients; opt-in)."""
         self._nonfinite = []
         for seg in self._segments:
@@ -331,6 +340,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _ampfused_unscale_(self, inv_scale: Tensor, grad_divisor=None) -> Tensor:
         """Unscale the flat gradient buffers in place (one pass), remember their norm, return found_inf."""
+        self._check_divisor(grad_divisor)
         self._sync_grads()
         inv_scale = self._divide(inv_scale, grad_divisor)
         partials = ops.unscale_(self._grad_buffers(), inv_scale, backend=self.backend)
@@ -358,12 +368,18 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # --- state dicts (torch.optim layout; see _state.py) ---------------------------------------------------
     def state_dict(self) -> dict:
-        return export_state_dict(self)
+        sd = export_state_dict(self)
+        if self.spike_guard is not None:  # an extra key: torch's optimizers ignore it on load
+            sd["spike_guard"] = self.spike_guard.state_dict()
+        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         import_state_dict(self, state_dict)
         if self._segments:
             self._steps_at_load.copy_(self._segments[0].step)
+            if self.spike_guard is not None:
+                self.spike_guard.load_state_dict(state_dict.get("spike_guard", {}), self._segments[0].flat.device)
+                self._spikes_at_load = float(self.spike_guard.spikes) if self.spike_guard._device is not None else 0.0
         self._calls = 0
 
     def _export_param_state(self, st: dict, step: float) -> dict:
