@@ -37,7 +37,8 @@ def _nvcc_version() -> str:
     return f"{m.group(1) if m else 'unknown'} ({nvcc})"
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (the benchmark names its result files after it)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -45,11 +46,11 @@ def _cpu_name() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return platform.processor() or platform.machine() or "cpu"
 
 
 def _devices() -> List[str]:
-    rows = [f"cpu: {_cpu_name()}, {torch.get_num_threads()} torch threads"]
+    rows = [f"cpu: {cpu_name()}, {torch.get_num_threads()} torch threads"]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)

@@ -2,25 +2,15 @@
 from __future__ import annotations
 
 import os
-import platform
 import re
 import subprocess
 from importlib import metadata
 
 import torch
 
+from ampfused.info import cpu_name
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
 
 
 def device_name(device: torch.device) -> str:
@@ -28,7 +18,7 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "cpu":
-        return f"{cpu_model()} ({torch.get_num_threads()} threads)"
+        return f"{cpu_name()} ({torch.get_num_threads()} threads)"
     return device.type
 
 
@@ -37,7 +27,7 @@ def device_stem(device: torch.device) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
-        short = re.sub(r"\((R|TM|tm|r)\)|\bCPU\b|\bProcessor\b|@", " ", cpu_model()) if device.type == "cpu" else ""
+        short = re.sub(r"\((R|TM|tm|r)\)|\bCPU\b|\bProcessor\b|@", " ", cpu_name()) if device.type == "cpu" else ""
         name = f"{device.type}-{short}" if short.strip() else device.type
     return re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-")
 

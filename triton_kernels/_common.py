@@ -85,12 +85,12 @@ def _expm1(x):
 
 
 @triton.jit
-def _prologue(partials_ptr, stride_row, stride_col, P, inv_scale_ptr, max_norm, CLIP: tl.constexpr,
-              PBLOCK: tl.constexpr):
+def _prologue(partials_ptr, stride_row, stride_col, P, inv_scale_ptr, max_norm, out_stats_ptr,
+              CLIP: tl.constexpr, PBLOCK: tl.constexpr):
     """Reduce the ``[2, P]`` partials in a fixed order: every program computes bitwise the same values.
 
     Returns ``(norm, found_inf, coef)`` as fp32 scalars, ``coef = inv_scale * min(1, max_norm / (norm +
-    1e-6))`` (just ``inv_scale`` when CLIP is off).
+    1e-6))`` (just ``inv_scale`` when CLIP is off); program 0 also records ``[norm, found_inf]`` in out_stats.
     """
     lanes = tl.arange(0, PBLOCK)
     sumsq = tl.zeros([PBLOCK], dtype=tl.float32)
@@ -105,7 +105,24 @@ def _prologue(partials_ptr, stride_row, stride_col, P, inv_scale_ptr, max_norm, 
     coef = tl.load(inv_scale_ptr)
     if CLIP:
         coef = coef * tl.minimum(tl.div_rn(max_norm, norm + 1e-6), 1.0)
+    if tl.program_id(0) == 0:
+        tl.store(out_stats_ptr, norm)
+        tl.store(out_stats_ptr + 1, found_inf)
     return norm, found_inf, coef
+
+
+@triton.jit
+def _advance_step(step_ptr, counter_ptr, new_step):
+    """The last program of the launch to arrive stores ``new_step`` and resets the arrival counter.
+
+    Every program read ``step`` before calling this; the barrier orders all its threads' reads before the
+    (single-thread, acq_rel, integer) atomic, so no program can see the new value. See adam.py's docstring.
+    """
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1)
+    if arrived == tl.num_programs(0) - 1:
+        tl.store(step_ptr, new_step)
+        tl.atomic_xchg(counter_ptr, 0)
 
 
 # ---------------------------------------------------------------------------------------------- host side

@@ -17,8 +17,8 @@ import math
 import triton
 import triton.language as tl
 
-from ._common import (LAUNCH_OPTIONS, _expm1, _load, _prologue, _round_to, _store, _to_f32, chunking,
-                      device_guard)
+from ._common import (LAUNCH_OPTIONS, _advance_step, _expm1, _load, _prologue, _round_to, _store, _to_f32,
+                      chunking, device_guard)
 
 BLOCK = 1024        # elements per program per iteration (8 per thread with 4 warps)
 NUM_WARPS = 4
@@ -67,10 +67,7 @@ def _adam_kernel(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, s
                  BLOCK: tl.constexpr, PBLOCK: tl.constexpr):
     pid = tl.program_id(0)
     norm, found_inf, coef = _prologue(partials_ptr, p_stride_row, p_stride_col, P, inv_scale_ptr, max_norm,
-                                      CLIP, PBLOCK)
-    if pid == 0:
-        tl.store(out_stats_ptr, norm)
-        tl.store(out_stats_ptr + 1, found_inf)
+                                      out_stats_ptr, CLIP, PBLOCK)
     # A flagged step leaves every program without a single write (and without touching the counter).
     if found_inf == 0.0:
         step = tl.load(step_ptr)
@@ -96,11 +93,7 @@ def _adam_kernel(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, s
                         full_blocks.to(tl.int64) * BLOCK + lanes, n, coef, decay, step_size, sqrt_bc2,
                         one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, HAS_MASTER, DECOUPLED,
                         MAXIMIZE, True)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr, 1)
-        if arrived == tl.num_programs(0) - 1:
-            tl.store(step_ptr, t)
-            tl.atomic_xchg(counter_ptr, 0)
+        _advance_step(step_ptr, counter_ptr, t)
 
 
 def _log(beta: float) -> float:

@@ -9,7 +9,7 @@ import math
 import triton
 import triton.language as tl
 
-from ._common import (LAUNCH_OPTIONS, _load, _prologue, _round_to, _store, _to_f32, chunking,
+from ._common import (LAUNCH_OPTIONS, _advance_step, _load, _prologue, _round_to, _store, _to_f32, chunking,
                       device_guard)
 
 BLOCK = 1024
@@ -54,10 +54,7 @@ def _sgd_kernel(param_ptr, grad_ptr, master_ptr, buf_ptr, step_ptr, partials_ptr
                 MAXIMIZE: tl.constexpr, CLIP: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr):
     pid = tl.program_id(0)
     norm, found_inf, coef = _prologue(partials_ptr, p_stride_row, p_stride_col, P, inv_scale_ptr, max_norm,
-                                      CLIP, PBLOCK)
-    if pid == 0:
-        tl.store(out_stats_ptr, norm)
-        tl.store(out_stats_ptr + 1, found_inf)
+                                      out_stats_ptr, CLIP, PBLOCK)
     if found_inf == 0.0:
         step = tl.load(step_ptr)
         first = step == 0.0
@@ -74,11 +71,7 @@ def _sgd_kernel(param_ptr, grad_ptr, master_ptr, buf_ptr, step_ptr, partials_ptr
             _sgd_block(param_ptr, grad_ptr, master_ptr, buf_ptr, full_blocks.to(tl.int64) * BLOCK + lanes, n,
                        coef, lr, first, momentum, one_minus_dampening, weight_decay, HAS_MASTER, HAS_MOMENTUM,
                        NESTEROV, MAXIMIZE, True)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr, 1)
-        if arrived == tl.num_programs(0) - 1:
-            tl.store(step_ptr, step + 1.0)
-            tl.atomic_xchg(counter_ptr, 0)
+        _advance_step(step_ptr, counter_ptr, step + 1.0)
 
 
 def sgd_step_(param, grad, master, momentum_buf, step, partials, inv_scale, lr, out_stats, counter,

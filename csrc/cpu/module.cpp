@@ -78,8 +78,6 @@ void set_isa(const std::string& name) {
   throw std::invalid_argument("unknown instruction set '" + name + "'; built: " + known);
 }
 
-template <typename T>
-T* addr(uintptr_t p) { return reinterpret_cast<T*>(p); }
 
 int64_t chunks_of(int64_t n) { return (n + kChunk - 1) / kChunk; }
 
@@ -121,30 +119,6 @@ bool prologue(const StepArgs& a, double max_norm, float* coef) {
   a.out_stats[1] = found_inf ? 1.0f : 0.0f;
   *coef = step_coef(*a.inv_scale, norm, max_norm);
   return !found_inf;
-}
-
-StepArgs step_args(uintptr_t param, int param_dtype, uintptr_t grad, int grad_dtype, uintptr_t master,
-                   uintptr_t state1, uintptr_t state2, int64_t n, uintptr_t step, int step_code,
-                   uintptr_t partials, int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code,
-                   uintptr_t out_stats) {
-  StepArgs a;
-  a.param = addr<void>(param);
-  a.param_dtype = param_dtype;
-  a.grad = addr<const void>(grad);
-  a.grad_dtype = grad_dtype;
-  a.master = addr<float>(master);
-  a.state1 = addr<float>(state1);
-  a.state2 = addr<float>(state2);
-  a.n = n;
-  a.step = addr<void>(step);
-  a.step_code = step_code;
-  a.partials = addr<const float>(partials);
-  a.num_partials = num_partials;
-  a.inv_scale = addr<const float>(inv_scale);
-  a.lr = addr<const void>(lr);
-  a.lr_code = lr_code;
-  a.out_stats = addr<float>(out_stats);
-  return a;
 }
 
 StepBufs bufs_of(const StepArgs& a) {

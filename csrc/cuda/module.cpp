@@ -29,8 +29,6 @@ using namespace ampfused;
 
 namespace {
 
-template <typename T>
-T* addr(uintptr_t p) { return reinterpret_cast<T*>(p); }
 
 void check(const std::string& err) {
   if (!err.empty()) throw std::runtime_error("ampfused CUDA kernel: " + err);
@@ -52,29 +50,6 @@ void norm_check(const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& 
   for (size_t i = 0; i < k; ++i) ts[i] = cuda::Tensor1{addr<void>(ptrs[i]), numels[i], dtypes[i]};
   check(cuda::norm_check(device, stream, ts.data(), int64_t(k), addr<const float>(inv_scale), addr<float>(partials), P,
                          unscale));
-}
-
-StepArgs step_args(uintptr_t param, int param_dtype, uintptr_t grad, int grad_dtype, uintptr_t master,
-                   uintptr_t state1, uintptr_t state2, int64_t n, uintptr_t step, int step_code, uintptr_t partials,
-                   int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats) {
-  StepArgs a;
-  a.param = addr<void>(param);
-  a.param_dtype = param_dtype;
-  a.grad = addr<const void>(grad);
-  a.grad_dtype = grad_dtype;
-  a.master = addr<float>(master);
-  a.state1 = addr<float>(state1);
-  a.state2 = addr<float>(state2);
-  a.n = n;
-  a.step = addr<void>(step);
-  a.step_code = step_code;
-  a.partials = addr<const float>(partials);
-  a.num_partials = num_partials;
-  a.inv_scale = addr<const float>(inv_scale);
-  a.lr = addr<const void>(lr);
-  a.lr_code = lr_code;
-  a.out_stats = addr<float>(out_stats);
-  return a;
 }
 
 void check_single_launch(const StepArgs& a, bool single_launch) {

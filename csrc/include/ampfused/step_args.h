@@ -38,4 +38,33 @@ struct SgdHyper {
   bool nesterov, maximize;
 };
 
+// A raw address handed over from Python as an int.
+template <typename T>
+inline T* addr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
+// StepArgs from the addresses and codes the Python side passes (both modules' step entries take these).
+inline StepArgs step_args(uintptr_t param, int param_dtype, uintptr_t grad, int grad_dtype, uintptr_t master,
+                          uintptr_t state1, uintptr_t state2, int64_t n, uintptr_t step, int step_code,
+                          uintptr_t partials, int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code,
+                          uintptr_t out_stats) {
+  StepArgs a;
+  a.param = addr<void>(param);
+  a.param_dtype = param_dtype;
+  a.grad = addr<const void>(grad);
+  a.grad_dtype = grad_dtype;
+  a.master = addr<float>(master);
+  a.state1 = addr<float>(state1);
+  a.state2 = addr<float>(state2);
+  a.n = n;
+  a.step = addr<void>(step);
+  a.step_code = step_code;
+  a.partials = addr<const float>(partials);
+  a.num_partials = num_partials;
+  a.inv_scale = addr<const float>(inv_scale);
+  a.lr = addr<const void>(lr);
+  a.lr_code = lr_code;
+  a.out_stats = addr<float>(out_stats);
+  return a;
+}
+
 }  // namespace ampfused
