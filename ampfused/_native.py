@@ -24,6 +24,7 @@ MODULES = {"cpu": "ampfused._C", "cuda": "ampfused._C_cuda"}
 DTYPE_CODES: Dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 SCALAR_CODES: Dict[torch.dtype, int] = {torch.float32: 0, torch.float64: 3}
 NATIVE_DTYPES = tuple(DTYPE_CODES)
+NO_GRAD = -1  # numel of a table row whose parameter has no gradient this step (step_args.h: kNoGrad)
 ALIGN = 16  # bytes: the step kernels use 128-bit vector loads and stores
 
 _cache: Dict[str, object] = {}
@@ -146,40 +147,49 @@ def check_flat(name: str, t: Tensor, dtypes: Sequence[torch.dtype], device: torc
                          "elements into its storage)")
 
 
-def check_step(backend: str, param: Tensor, grad: Tensor, master: Optional[Tensor], states, step: Tensor,
-               partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor) -> None:
-    """Every rule a native step kernel relies on; ``states`` is a list of (name, tensor)."""
-    check_device("param", param, param.device)
-    dev, n = param.device, param.numel()
-    check_flat("param", param, NATIVE_DTYPES, dev, n, backend)
-    check_flat("grad", grad, NATIVE_DTYPES, dev, n, backend)
+def check_step(backend: str, params, grads, master: Optional[Tensor], states, steps: Tensor, partials: Tensor,
+               inv_scale: Tensor, lr: Tensor, out_stats: Tensor) -> None:
+    """What a native step kernel relies on beyond :func:`ampfused.ops.checks.step_inputs` (which the ops run
+    first): native dtypes, fp32 flat state buffers that start 16-byte aligned, one gradient dtype."""
+    dev = steps.device
+    if params:
+        _dtype_rule("params[0]", params[0], NATIVE_DTYPES, backend)
+    g = next((x for x in grads if x is not None), None)
+    if g is not None:
+        _dtype_rule("grads", g, NATIVE_DTYPES, backend)
     if master is not None:
-        check_flat("master", master, (torch.float32,), dev, n, backend)
-    elif param.dtype != torch.float32:
-        raise ValueError(f"param has dtype {param.dtype}: without a master buffer param must be float32 "
+        _dtype_rule("master", master, (torch.float32,), backend)
+    elif params and params[0].dtype != torch.float32:
+        raise ValueError(f"params have dtype {params[0].dtype}: without a master buffer they must be float32 "
                          "(pass an fp32 master=...)")
-    for sname, s in states:
-        check_flat(sname, s, (torch.float32,), dev, n, backend)
-    check_scalar("step", step, tuple(SCALAR_CODES), dev, backend)
+    for sname, s in list(states) + [("master", master)]:
+        if s is None:
+            continue
+        _dtype_rule(sname, s, (torch.float32,), backend)
+        if s.numel() and s.data_ptr() % ALIGN:
+            raise ValueError(f"{sname} must start at a {ALIGN}-byte aligned address for the {backend} backend "
+                             f"(vector loads), got address {s.data_ptr():#x} (offset {s.storage_offset()} "
+                             "elements into its storage)")
     check_scalar("lr", lr, tuple(SCALAR_CODES), dev, backend)
     check_scalar("inv_scale", inv_scale, (torch.float32,), dev, backend)
-    check_device("partials", partials, dev)
-    _dtype_rule("partials", partials, (torch.float32,), backend)
-    if partials.dim() != 2 or partials.shape[0] != 2:
-        raise ValueError(f"partials must have shape [2, P], got {tuple(partials.shape)}")
-    check_device("out_stats", out_stats, dev)
-    _dtype_rule("out_stats", out_stats, (torch.float32,), backend)
-    if out_stats.numel() != 2 or not out_stats.is_contiguous():
-        raise ValueError(f"out_stats must be a contiguous [2] tensor, got shape {tuple(out_stats.shape)} "
-                         f"stride {out_stats.stride()}")
-    bufs = [("param", param), ("grad", grad), ("master", master)] + list(states)
-    spans = [(nm, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for nm, t in bufs
-             if t is not None and t.numel()]
-    for i, (na, a0, a1) in enumerate(spans):
-        for nb, b0, b1 in spans[i + 1:]:
-            if a0 < b1 and b0 < a1:
-                raise ValueError(f"{na} and {nb} must not overlap in memory (the step writes {na} while "
-                                 f"reading {nb})")
+    _dtype_rule("steps", steps, tuple(SCALAR_CODES), backend)
+
+
+def step_table(params, grads, offsets) -> list:
+    """The tensor table of a step as a flat list of ints (``T`` rows of ``TABLE_COLS``): param address,
+    grad address, numel (``NO_GRAD`` for a parameter without a gradient), state offset; see step_args.h."""
+    rows = []
+    for p, g, off in zip(params, grads, offsets):
+        if g is None:
+            rows += (p.data_ptr(), 0, NO_GRAD, off)
+        else:
+            rows += (p.data_ptr(), g.data_ptr(), p.numel(), off)
+    return rows
+
+
+def grad_code(grads) -> int:
+    g = next((x for x in grads if x is not None), None)
+    return DTYPE_CODES[g.dtype] if g is not None else 0
 
 
 def check_grads(grads, inv_scale: Tensor, backend: str) -> None:

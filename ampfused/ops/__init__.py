@@ -15,13 +15,13 @@ from torch import Tensor
 from torch.utils import _python_dispatch
 
 from . import checks, library, reference, registry
-from .reference import clip_coef, reduce_partials
+from .reference import clip_coef, memory_view, reduce_partials, state_layout
 from .registry import (Backend, available_backends, get_backend, register_backend, registered_backends,
                        resolve)
 
 __all__ = [
     "norm_check", "unscale_", "update_scale_", "adam_step_", "adamw_step_", "sgd_step_", "reduce_partials",
-    "clip_coef", "num_partials", "available_backends", "registered_backends", "register_backend", "resolve",
+    "clip_coef", "num_partials", "state_layout", "memory_view", "available_backends", "registered_backends", "register_backend", "resolve",
     "get_backend", "Backend", "reference",
 ]
 
@@ -51,7 +51,7 @@ def _pick(device: torch.device, dtypes: tuple, backend: Optional[str]) -> str:
 
 # positions of the arguments each op writes (as declared in library.py's mutates_args)
 _MUTATED = {"norm_check": (), "unscale_": (0,), "update_scale_": (0, 1), "adam_step_": (0, 2, 3, 4, 5, 9),
-            "sgd_step_": (0, 2, 3, 4, 8)}
+            "sgd_step_": (0, 2, 3, 4, 8)}  # adam: params, master, exp_avg, exp_avg_sq, steps, out_stats
 
 
 def _call(op: str, probe: Tensor, *args):
@@ -67,6 +67,8 @@ def _call(op: str, probe: Tensor, *args):
             a = args[i]
             if isinstance(a, Tensor):
                 written.append(a)
+            elif i == 0 and op in ("adam_step_", "sgd_step_"):  # only the parameters that had a gradient
+                written.extend(p for p, g in zip(a, args[1]) if g is not None)
             elif isinstance(a, (list, tuple)):
                 written.extend(a)
         if written:
@@ -112,41 +114,87 @@ def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, grow
           float(backoff_factor), int(growth_interval), _pick(scale.device, (), backend))
 
 
-def adam_step_(param: Tensor, grad: Tensor, master: Optional[Tensor], exp_avg: Tensor, exp_avg_sq: Tensor,
-               step: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, *,
-               beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
-               max_norm: float = math.inf, decoupled: bool = False, maximize: bool = False,
-               backend: Optional[str] = None) -> None:
-    """Fused Adam/AdamW step over flat buffers; math and tensors in :func:`reference.adam_step_`."""
-    checks.step_inputs(param, grad, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], step,
+def _as_lists(params, grads, steps):
+    """Accept the single-buffer spelling too: a tensor for ``params``/``grads`` is a list of one, and a 0-d
+    ``steps`` is the step count of that one parameter (a view of it, so the count advances in place)."""
+    if isinstance(params, Tensor):
+        params = [params]
+    if isinstance(grads, Tensor) or grads is None:
+        grads = [grads]
+    if isinstance(steps, Tensor) and steps.dim() == 0:
+        steps = steps.view(1)
+    return list(params), list(grads), steps
+
+
+def _step_dtypes(params, grads, master) -> tuple:
+    g = next((x for x in grads if x is not None), None)
+    return _dtypes(params[0] if params else None, g, master)
+
+
+def _step_device(steps: Tensor) -> torch.device:
+    return steps.device
+
+
+def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,
+               exp_avg_sq: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
+               out_stats: Tensor, *, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+               weight_decay: float = 0.0, max_norm: float = math.inf, decoupled: bool = False,
+               maximize: bool = False, backend: Optional[str] = None) -> None:
+    """Fused Adam/AdamW step (K2) over parameters where they live and flat optimizer state.
+
+    params: list of T dense tensors (one dtype, fp32/bf16/fp16; any memory layout), updated in place;
+    grads: T entries, ``None`` for a parameter to leave alone this step, else a tensor with its parameter's
+    shape and layout (one dtype for all); master (fp32, or ``None`` for fp32 params), exp_avg, exp_avg_sq:
+    1-D flat buffers of ``state_layout([p.numel() for p in params])[1]`` elements; steps: ``[T]`` fp32 step
+    counts; partials ``[2, P]`` from :func:`norm_check`; inv_scale, lr: 0-d fp32; out_stats: ``[2]`` fp32.
+    A single flat parameter may be passed as a tensor (with its gradient as a tensor and a 0-d step).
+    Math: :func:`reference.adam_step_`.
+    """
+    params, grads, steps = _as_lists(params, grads, steps)
+    checks.step_inputs(params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], steps,
                        partials, inv_scale, lr, out_stats)
     checks.scalars(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, max_norm=max_norm)
-    name = _pick(param.device, _dtypes(param, grad, master), backend)
-    _call("adam_step_", param, param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr,
+    name = _pick(steps.device, _step_dtypes(params, grads, master), backend)
+    _call("adam_step_", steps, params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
           out_stats, float(beta1), float(beta2), float(eps), float(weight_decay), float(max_norm),
           bool(decoupled), bool(maximize), name)
 
 
-def adamw_step_(param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr, out_stats, *,
+def adamw_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats, *,
                 beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2, max_norm=math.inf, maximize=False,
                 backend=None) -> None:
     """Fused AdamW step (decoupled weight decay); see :func:`adam_step_`."""
-    adam_step_(param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr, out_stats,
+    adam_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, max_norm=max_norm,
                decoupled=True, maximize=maximize, backend=backend)
 
 
-def sgd_step_(param: Tensor, grad: Tensor, master: Optional[Tensor], momentum_buf: Optional[Tensor],
-              step: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, *,
-              momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
-              max_norm: float = math.inf, maximize: bool = False, backend: Optional[str] = None) -> None:
-    """Fused SGD step over flat buffers; math and tensors in :func:`reference.sgd_step_`."""
+def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
+              momentum_buf: Optional[Tensor], steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
+              out_stats: Tensor, *, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+              nesterov: bool = False, max_norm: float = math.inf, maximize: bool = False,
+              backend: Optional[str] = None) -> None:
+    """Fused SGD step; tensors as :func:`adam_step_` (``momentum_buf`` a flat buffer, needed when
+    ``momentum != 0``); math in :func:`reference.sgd_step_`."""
+    params, grads, steps = _as_lists(params, grads, steps)
     states = [("momentum_buf", momentum_buf)] if momentum != 0 else []
     if momentum != 0 and momentum_buf is None:
         raise ValueError("momentum_buf is required when momentum != 0")
-    checks.step_inputs(param, grad, master, states, step, partials, inv_scale, lr, out_stats)
+    checks.step_inputs(params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
     checks.scalars(momentum=momentum, dampening=dampening, weight_decay=weight_decay, max_norm=max_norm)
-    name = _pick(param.device, _dtypes(param, grad, master), backend)
-    _call("sgd_step_", param, param, grad, master, momentum_buf if momentum != 0 else None, step, partials,
+    name = _pick(steps.device, _step_dtypes(params, grads, master), backend)
+    _call("sgd_step_", steps, params, grads, master, momentum_buf if momentum != 0 else None, steps, partials,
           inv_scale, lr, out_stats, float(momentum), float(dampening), float(weight_decay), bool(nesterov),
           float(max_norm), bool(maximize), name)
+
+
+def step_backend(device, dtypes: tuple, backend: Optional[str] = None) -> str:
+    """Name of the backend the step ops pick for this device and these dtype names (cached)."""
+    return _pick(torch.device(device), dtypes, backend)
+
+
+def call_step_(op: str, *args) -> None:
+    """Run a step op (``"adam_step_"`` / ``"sgd_step_"``) with arguments already in the op's form and already
+    validated, the backend name last: the fused optimizers validate what changed on the host and call this
+    each step, so a step does not re-check every tensor."""
+    _call(op, args[5] if op == "adam_step_" else args[4], *args)

@@ -32,7 +32,7 @@ def tensor(name: str, t, *, dtypes: Sequence[torch.dtype] = FLOATS, device: Opti
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (a flat buffer), got stride {t.stride()}")
     if numel is not None and t.numel() != numel:
-        raise ValueError(f"{name} must have {numel} elements like param, got {t.numel()}")
+        raise ValueError(f"{name} must have {numel} elements, got {t.numel()}")
 
 
 def grads_list(name: str, grads, device: torch.device) -> None:
@@ -51,25 +51,82 @@ def scalars(**kw) -> None:
             raise ValueError(f"{k} must be finite, got {v}")
 
 
-def compute_dtype_of(param: Tensor, master: Optional[Tensor]) -> torch.dtype:
-    return master.dtype if master is not None else param.dtype
-
-
-def step_inputs(param: Tensor, grad: Tensor, master: Optional[Tensor], states: Iterable[tuple],
-                step: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor) -> None:
-    """Shared rules of the optimizer-step ops (see ``reference`` for the layout)."""
-    tensor("param", param, flat=True)
-    dev, n = param.device, param.numel()
-    tensor("grad", grad, flat=True, device=dev, numel=n)
+def compute_dtype_of(params: Sequence[Tensor], master: Optional[Tensor]) -> torch.dtype:
     if master is not None:
-        tensor("master", master, dtypes=(torch.float32, torch.float64), flat=True, device=dev, numel=n)
-    elif param.dtype in LOW_PRECISION:
-        raise ValueError(f"param has dtype {param.dtype}: a {param.dtype} parameter needs an fp32 master "
-                         "buffer (pass master=...)")
-    cd = compute_dtype_of(param, master)
+        return master.dtype
+    return params[0].dtype if len(params) else torch.float32
+
+
+def is_dense(t: Tensor) -> bool:
+    """True when ``t``'s elements fill one gap-free block of memory starting at ``t.data_ptr()`` (contiguous
+    in some order of its dimensions: row-major, ``channels_last``, a transpose)."""
+    if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
+        return True
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def same_layout(a: Tensor, b: Tensor) -> bool:
+    """True when ``a`` and ``b`` have one shape and put every element at the same place in memory."""
+    if a.shape != b.shape:
+        return False
+    if a.stride() == b.stride():
+        return True
+    return all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
+def step_inputs(params: Sequence[Tensor], grads: Sequence[Optional[Tensor]], master: Optional[Tensor],
+                states: Iterable[tuple], steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
+                out_stats: Tensor) -> None:
+    """Shared rules of the optimizer-step ops (see ``reference.adam_step_`` for the layout)."""
+    from .reference import state_layout
+    if isinstance(params, Tensor) or not isinstance(params, (list, tuple)):
+        raise TypeError(f"params must be a list of tensors, got {type(params).__name__}")
+    if isinstance(grads, Tensor) or not isinstance(grads, (list, tuple)):
+        raise TypeError(f"grads must be a list of tensors (or None), got {type(grads).__name__}")
+    if len(grads) != len(params):
+        raise ValueError(f"grads must have one entry per parameter: {len(params)} params, {len(grads)} grads")
+    tensor("steps", steps, dtypes=(torch.float32, torch.float64), numel=len(params))
+    dev = steps.device
+    if steps.dim() != 1 or not steps.is_contiguous():
+        raise ValueError(f"steps must be a contiguous 1-D tensor with one count per parameter, got shape "
+                         f"{tuple(steps.shape)}")
+    pdtype = params[0].dtype if len(params) else None
+    gdtype = None
+    for i, p in enumerate(params):
+        tensor(f"params[{i}]", p, device=dev)
+        if p.dtype != pdtype:
+            raise TypeError(f"params[{i}] has dtype {p.dtype} but params[0] has {pdtype}: one step takes "
+                            "parameters of one dtype")
+        if not is_dense(p):
+            raise ValueError(f"params[{i}] (shape {tuple(p.shape)}, stride {p.stride()}) is not dense: the step "
+                             "needs each parameter's elements in one gap-free block of memory")
+        g = grads[i]
+        if g is None:
+            continue
+        tensor(f"grads[{i}]", g, device=dev)
+        if gdtype is None:
+            gdtype = g.dtype
+        elif g.dtype != gdtype:
+            raise TypeError(f"grads[{i}] has dtype {g.dtype} but an earlier gradient has {gdtype}: one step takes "
+                            "gradients of one dtype")
+        if not same_layout(p, g):
+            raise ValueError(f"grads[{i}] (shape {tuple(g.shape)}, stride {g.stride()}) must have the shape and "
+                             f"memory layout of params[{i}] (shape {tuple(p.shape)}, stride {p.stride()})")
+    if pdtype in LOW_PRECISION and master is None:
+        raise ValueError(f"params have dtype {pdtype}: {pdtype} parameters need an fp32 master buffer "
+                         "(pass master=...)")
+    _, total = state_layout([p.numel() for p in params])
+    if master is not None:
+        tensor("master", master, dtypes=(torch.float32, torch.float64), flat=True, device=dev, numel=total)
+    cd = compute_dtype_of(params, master)
     for sname, s in states:
-        tensor(sname, s, dtypes=(cd,), flat=True, device=dev, numel=n)
-    tensor("step", step, dtypes=(torch.float32, torch.float64), device=dev, scalar=True)
+        tensor(sname, s, dtypes=(cd,), flat=True, device=dev, numel=total)
     tensor("inv_scale", inv_scale, dtypes=(torch.float32,), device=dev, scalar=True)
     tensor("lr", lr, dtypes=(torch.float32, torch.float64), device=dev, scalar=True)
     tensor("partials", partials, dtypes=(torch.float32,), device=dev)
@@ -78,3 +135,26 @@ def step_inputs(param: Tensor, grad: Tensor, master: Optional[Tensor], states: I
     tensor("out_stats", out_stats, dtypes=(torch.float32,), device=dev, numel=2)
     if not out_stats.is_contiguous():
         raise ValueError("out_stats must be contiguous")
+    if dev.type != "meta":
+        _no_overlap(params, master, states, steps)
+
+
+def _span(t: Tensor) -> tuple:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _no_overlap(params, master, states, steps) -> None:
+    """The buffers a step writes must not share memory: each flat buffer with the others and the params."""
+    flat = [(n, t) for n, t in [("master", master)] + list(states) + [("steps", steps)]
+            if t is not None and t.numel()]
+    spans = [(n, _span(t)) for n, t in flat]
+    for i, (na, (a0, a1)) in enumerate(spans):
+        for nb, (b0, b1) in spans[i + 1:]:
+            if a0 < b1 and b0 < a1:
+                raise ValueError(f"{na} and {nb} must not overlap in memory (the step writes both)")
+        for j, p in enumerate(params):
+            if p.numel():
+                p0, p1 = _span(p)
+                if a0 < p1 and p0 < a1:
+                    raise ValueError(f"{na} and params[{j}] must not overlap in memory (the step writes both)")

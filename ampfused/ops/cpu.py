@@ -17,15 +17,10 @@ import torch
 from torch import Tensor
 
 from .. import _native
+from .reference import state_layout
 from .registry import Backend
 
 _N = _native
-
-
-def _same_buffer(a: Tensor, b: Optional[Tensor]) -> bool:
-    """True when ``b`` is ``a``'s very memory (an fp32 model passed as its own master): no master then."""
-    return (isinstance(a, Tensor) and isinstance(b, Tensor) and a.device == b.device and a.dtype == b.dtype
-            and a.shape == b.shape and a.numel() > 0 and a.data_ptr() == b.data_ptr() and a.stride() == b.stride())
 
 
 def _grads_for_kernel(grads: List[Tensor]) -> List[Tensor]:
@@ -90,53 +85,60 @@ class CpuBackend(Backend):
         self._mod().update_scale(scale.data_ptr(), growth_tracker.data_ptr(), found_inf.data_ptr(),
                                  growth_factor, backoff_factor, growth_interval)
 
-    def _common(self, param, grad, master, step, partials, inv_scale, lr, out_stats):
-        partials = _N.partials_arg(partials)
-        return [param.data_ptr(), _N.DTYPE_CODES[param.dtype], grad.data_ptr(), _N.DTYPE_CODES[grad.dtype],
-                _N.ptr(master)], [param.numel(), step.data_ptr(), _N.SCALAR_CODES[step.dtype], partials.data_ptr(),
-                                  partials.shape[1], inv_scale.data_ptr(), lr.data_ptr(), _N.SCALAR_CODES[lr.dtype],
-                                  out_stats.data_ptr()], partials
+    # ---- the step ------------------------------------------------------------------------------------
+    def _table(self, params, grads, offsets, device: torch.device) -> Tensor:
+        """The tensor table (step_args.h) in memory the kernels can read: host memory here."""
+        return torch.tensor(_N.step_table(params, grads, offsets), dtype=torch.int64)
 
-    def adam_step_(self, param: Tensor, grad: Tensor, master: Optional[Tensor], exp_avg: Tensor,
-                   exp_avg_sq: Tensor, step: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
-                   out_stats: Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
-                   max_norm: float, decoupled: bool, maximize: bool = False, **options) -> None:
-        """Adam/AdamW over flat buffers; math and tensors in :func:`ampfused.ops.reference.adam_step_`."""
-        master = None if _same_buffer(param, master) else master
-        _N.check_step(self.name, param, grad, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], step,
+    def _step_head(self, params, grads, master, steps, partials, inv_scale, lr, out_stats):
+        """Leading kernel arguments shared by every step, and the tensors that must outlive the call."""
+        params = list(params)
+        grads = list(grads)
+        offsets, _ = state_layout([p.numel() for p in params])
+        table = self._table(params, grads, offsets, steps.device)
+        partials = _N.partials_arg(partials)
+        head = [table.data_ptr(), len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0,
+                _N.grad_code(grads), _N.ptr(master)]
+        tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], partials.data_ptr(), partials.shape[1],
+                inv_scale.data_ptr(), lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr()]
+        return head, tail, (table, partials)
+
+    def adam_step_(self, params, grads, master: Optional[Tensor], exp_avg: Tensor, exp_avg_sq: Tensor,
+                   steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta1: float,
+                   beta2: float, eps: float, weight_decay: float, max_norm: float, decoupled: bool,
+                   maximize: bool = False, **options) -> None:
+        """Adam/AdamW; math and tensors in :func:`ampfused.ops.reference.adam_step_`."""
+        _N.check_step(self.name, params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], steps,
                       partials, inv_scale, lr, out_stats)
-        head, tail, keep = self._common(param, grad, master, step, partials, inv_scale, lr, out_stats)
+        head, tail, keep = self._step_head(params, grads, master, steps, partials, inv_scale, lr, out_stats)
         self._launch_adam(head + [exp_avg.data_ptr(), exp_avg_sq.data_ptr()] + tail
                           + [float(beta1), float(beta2), float(eps), float(weight_decay), float(max_norm),
-                             bool(decoupled), bool(maximize)], step, **options)
-        del keep
+                             bool(decoupled), bool(maximize)], steps, keep, **options)
 
-    def _launch_adam(self, args, step: Tensor, **options):
+    def _launch_adam(self, args, steps: Tensor, keep, **options):
         if options:
             raise TypeError(f"the {self.name} backend takes no options, got {sorted(options)}")
-        self._mod().adam_step(*args, *self._device_args(step.device))
+        self._mod().adam_step(*args, *self._device_args(steps.device))
 
-    def sgd_step_(self, param: Tensor, grad: Tensor, master: Optional[Tensor], momentum_buf: Optional[Tensor],
-                  step: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
-                  momentum: float, dampening: float, weight_decay: float, nesterov: bool, max_norm: float,
-                  maximize: bool = False, **options) -> None:
-        """SGD over flat buffers; math and tensors in :func:`ampfused.ops.reference.sgd_step_`."""
-        master = None if _same_buffer(param, master) else master
+    def sgd_step_(self, params, grads, master: Optional[Tensor], momentum_buf: Optional[Tensor], steps: Tensor,
+                  partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, momentum: float,
+                  dampening: float, weight_decay: float, nesterov: bool, max_norm: float, maximize: bool = False,
+                  **options) -> None:
+        """SGD; math and tensors in :func:`ampfused.ops.reference.sgd_step_`."""
         if momentum != 0 and momentum_buf is None:
             raise ValueError("momentum_buf is required when momentum != 0")
         buf = momentum_buf if momentum != 0 else None
         states = [("momentum_buf", buf)] if buf is not None else []
-        _N.check_step(self.name, param, grad, master, states, step, partials, inv_scale, lr, out_stats)
-        head, tail, keep = self._common(param, grad, master, step, partials, inv_scale, lr, out_stats)
+        _N.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
+        head, tail, keep = self._step_head(params, grads, master, steps, partials, inv_scale, lr, out_stats)
         self._launch_sgd(head + [_N.ptr(buf)] + tail
                          + [float(momentum), float(dampening), float(weight_decay), bool(nesterov),
-                            float(max_norm), bool(maximize)], step, **options)
-        del keep
+                            float(max_norm), bool(maximize)], steps, keep, **options)
 
-    def _launch_sgd(self, args, step: Tensor, **options):
+    def _launch_sgd(self, args, steps: Tensor, keep, **options):
         if options:
             raise TypeError(f"the {self.name} backend takes no options, got {sorted(options)}")
-        self._mod().sgd_step(*args, *self._device_args(step.device))
+        self._mod().sgd_step(*args, *self._device_args(steps.device))
 
 
 BACKEND = CpuBackend()

@@ -46,12 +46,12 @@ def _(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_in
 
 
 @torch.library.custom_op("ampfused::adam_step_",
-                         mutates_args=("param", "master", "exp_avg", "exp_avg_sq", "step", "out_stats"))
-def adam_step_(param: Tensor, grad: Tensor, master: Optional[Tensor], exp_avg: Tensor, exp_avg_sq: Tensor,
-               step: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta1: float,
-               beta2: float, eps: float, weight_decay: float, max_norm: float, decoupled: bool, maximize: bool,
-               backend: str) -> None:
-    get_backend(backend).adam_step_(param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr,
+                         mutates_args=("params", "master", "exp_avg", "exp_avg_sq", "steps", "out_stats"))
+def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,
+               exp_avg_sq: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
+               beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float, decoupled: bool,
+               maximize: bool, backend: str) -> None:
+    get_backend(backend).adam_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
                                     out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize)
 
 
@@ -60,11 +60,13 @@ def _(*args):
     return None
 
 
-@torch.library.custom_op("ampfused::sgd_step_", mutates_args=("param", "master", "momentum_buf", "step", "out_stats"))
-def sgd_step_(param: Tensor, grad: Tensor, master: Optional[Tensor], momentum_buf: Optional[Tensor], step: Tensor,
-              partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, momentum: float, dampening: float,
-              weight_decay: float, nesterov: bool, max_norm: float, maximize: bool, backend: str) -> None:
-    get_backend(backend).sgd_step_(param, grad, master, momentum_buf, step, partials, inv_scale, lr, out_stats,
+@torch.library.custom_op("ampfused::sgd_step_",
+                         mutates_args=("params", "master", "momentum_buf", "steps", "out_stats"))
+def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
+              momentum_buf: Optional[Tensor], steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
+              out_stats: Tensor, momentum: float, dampening: float, weight_decay: float, nesterov: bool,
+              max_norm: float, maximize: bool, backend: str) -> None:
+    get_backend(backend).sgd_step_(params, grads, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
                                    momentum, dampening, weight_decay, nesterov, max_norm, maximize)
 
 

@@ -6,19 +6,23 @@ with a small absolute floor), and bitwise-identical results run to run.
 
 Conventions shared by every backend
 -----------------------------------
-* Flat buffers are 1-D contiguous tensors. ``grad`` is fp32, bf16 or fp16. ``param`` is the model's copy
-  (fp32, bf16 or fp16). ``master`` is the fp32 master copy, or ``None`` when ``param`` itself is the
-  compute-precision copy. Optimizer states (``exp_avg``, ``exp_avg_sq``, ``momentum_buf``) have the compute
-  dtype: ``master.dtype`` when a master exists, else ``param.dtype``. The reference also accepts fp64
-  here, which is how tests build the fp64 oracle.
+* The step ops take the parameters and their gradients where they live (``params``, ``grads``: lists of
+  dense tensors, read and written in memory order, so ``channels_last`` and transposed parameters keep
+  their layout) and the optimizer's own state in flat 1-D buffers laid out by :func:`state_layout`.
+  ``params`` are fp32, bf16 or fp16; ``master`` is the fp32 master copy, or ``None`` when the parameters
+  themselves are the compute-precision copy. Optimizer states (``exp_avg``, ``exp_avg_sq``,
+  ``momentum_buf``) have the compute dtype: ``master.dtype`` when a master exists, else the parameters'
+  dtype. The reference also accepts fp64 here, which is how tests build the fp64 oracle. ``steps`` holds
+  one step count per parameter, as ``torch.optim`` keeps one per parameter; a parameter whose gradient is
+  ``None`` is skipped as ``torch.optim`` skips it.
 * ``partials`` is an fp32 tensor of shape ``[2, P]``: row 0 holds partial sums of squares of the unscaled
   gradients, row 1 holds non-finite flags (1.0 where a non-finite element was seen, else 0.0). Any ``[2, P]``
   tensor is valid input to the update ops, so a caller holding an already reduced norm and flag (after an
   all-reduce, or from ``unscale_``) passes ``[[norm_sq], [found_inf]]``. ``P`` is backend-specific and given
   by ``num_partials``; the reference uses one partial per gradient tensor.
-* ``inv_scale``, ``lr`` and ``step`` are 0-d fp32 device tensors, so nothing is read to the host and
+* ``inv_scale`` and ``lr`` are 0-d fp32 device tensors (``steps`` a 1-D one), so nothing is read to the host and
   changing them never recompiles a kernel. ``inv_scale`` may also hold ``1 / (scale * grad_divisor)``.
-* A step whose gradients hold a non-finite value changes nothing (param, master, states, step) and reports
+* A step whose gradients hold a non-finite value changes nothing (params, master, states, steps) and reports
   ``found_inf = 1`` in ``out_stats``.
 * ``max_norm = inf`` means no clipping; clipping follows ``torch.nn.utils.clip_grad_norm_``:
   ``coef = min(1, max_norm / (norm + 1e-6))``.
@@ -26,12 +30,13 @@ Conventions shared by every backend
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds this to the norm
+STATE_ALIGN = 4  # elements of fp32 state between parameter starts in a flat state buffer (16 bytes)
 
 
 def num_partials(numels: List[int]) -> int:
@@ -133,8 +138,33 @@ def _prologue(partials: Tensor, inv_scale: Tensor, max_norm: float, out_stats: T
     return coef, found_inf > 0
 
 
-def _compute_copy(param: Tensor, master: Optional[Tensor]) -> Tensor:
-    return master if master is not None else param
+def state_layout(numels: Sequence[int]) -> Tuple[List[int], int]:
+    """Where each parameter's optimizer state lives in a flat state buffer: ``(offsets, total)``.
+
+    Parameter ``i`` (``numels[i]`` elements) owns ``[offsets[i], offsets[i] + numels[i])``; each offset is a
+    multiple of ``STATE_ALIGN`` elements (16 bytes of fp32, so vector loads stay aligned) and ``total`` ends
+    right after the last parameter. The gaps between parameters are never read or written by the steps.
+    """
+    offsets: List[int] = []
+    total = 0
+    for n in numels:
+        off = -(-total // STATE_ALIGN) * STATE_ALIGN
+        offsets.append(off)
+        total = off + int(n)
+    return offsets, total
+
+
+def memory_view(t: Tensor) -> Tensor:
+    """1-D view of a dense tensor's elements in memory order (``t`` contiguous in any dimension order:
+    row-major, ``channels_last``, a transpose). This is the order every step walks a parameter, its gradient
+    and its slice of the flat state buffers in."""
+    return t.as_strided((t.numel(),), (1,))
+
+
+def _compute_dtype(params: List[Tensor], master: Optional[Tensor]) -> torch.dtype:
+    if master is not None:
+        return master.dtype
+    return params[0].dtype if params else torch.float32
 
 
 def _commit(skip: Tensor, pairs) -> None:
@@ -143,89 +173,109 @@ def _commit(skip: Tensor, pairs) -> None:
         dst.copy_(torch.where(skip, dst, new))
 
 
-def adam_step_(param: Tensor, grad: Tensor, master: Optional[Tensor], exp_avg: Tensor, exp_avg_sq: Tensor,
-               step: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
+def _tensors_to_update(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor]):
+    """``(i, param in memory order, grad in memory order, compute copy, state slice)`` per parameter with a
+    gradient, in order."""
+    offsets, _ = state_layout([p.numel() for p in params])
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if g is None:
+            continue
+        sl = slice(offsets[i], offsets[i] + p.numel())
+        pm = memory_view(p)
+        yield i, pm, memory_view(g), (master[sl] if master is not None else pm), sl
+
+
+def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,
+               exp_avg_sq: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
                beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float,
                decoupled: bool, maximize: bool = False) -> None:
-    """One Adam (``decoupled=False``, L2 decay) or AdamW (``decoupled=True``) step over flat buffers.
+    """One Adam (``decoupled=False``, L2 decay) or AdamW (``decoupled=True``) step over a list of parameters.
 
-    With ``c = inv_scale * min(1, max_norm / (norm + 1e-6))`` and ``w`` the master (or param) copy::
+    With ``c = inv_scale * min(1, max_norm / (norm + 1e-6))`` and, for each parameter ``i`` that has a
+    gradient, ``w`` its master (or the parameter itself), ``m``, ``v`` its state slices and
+    ``t = steps[i] + 1``::
 
         g = c * grad                      (in the compute dtype; negated if maximize)
-        t = step + 1
         AdamW: w = w * (1 - lr * weight_decay)      Adam: g = g + weight_decay * w
         m = m + (1 - beta1) * (g - m)
         v = beta2 * v + (1 - beta2) * g * g
         w = w - (lr / (1 - beta1**t)) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
         param = round_to_nearest_even(w)  (when a master exists)
-        step = t
+        steps[i] = t
 
-    Tensors: param, grad, master, exp_avg, exp_avg_sq are 1-D with equal numel; step, lr, inv_scale are 0-d
-    fp32; out_stats is ``[2]`` fp32 receiving ``[norm, found_inf]``. Nothing changes when found_inf.
+    Tensors: ``params`` T dense tensors of one dtype on one device; ``grads`` T entries, each ``None`` (that
+    parameter is left alone: no decay, no state change, its step count stays) or a tensor with its
+    parameter's dtype, shape and strides. ``master``, ``exp_avg``, ``exp_avg_sq`` are 1-D flat buffers laid
+    out by :func:`state_layout` (element ``j`` of parameter ``i`` in memory order sits at ``offsets[i] + j``).
+    ``steps`` is ``[T]`` fp32; ``lr``, ``inv_scale`` 0-d fp32; ``out_stats`` ``[2]`` fp32 receiving
+    ``[norm, found_inf]``. Nothing else changes when found_inf.
     """
-    w = _compute_copy(param, master)
-    cd = w.dtype
+    cd = _compute_dtype(params, master)
     coef, skip = _prologue(partials, inv_scale, max_norm, out_stats, cd)
-    g = grad.to(cd) * coef
-    if maximize:
-        g = -g
-    t = step.to(cd) + 1
     lr_c = lr.to(cd)
-    w_new = w
-    if weight_decay != 0:
-        if decoupled:
-            w_new = w * (1 - lr_c * weight_decay)
-        else:
-            g = g + weight_decay * w
-    m_new = torch.lerp(exp_avg, g, 1 - beta1)
-    v_new = exp_avg_sq * beta2 + (1 - beta2) * g * g
-    step_size = lr_c / bias_correction(beta1, t)
-    denom = v_new.sqrt() / bias_correction(beta2, t).sqrt() + eps
-    w_new = w_new - step_size * m_new / denom
-    _commit(skip, [(exp_avg, m_new), (exp_avg_sq, v_new), (w, w_new)])
-    if master is not None:
-        _commit(skip, [(param, w_new.to(param.dtype))])
-    step.add_((~skip).to(step.dtype))
+    for i, pm, gm, w, sl in _tensors_to_update(params, grads, master):
+        m, v = exp_avg[sl], exp_avg_sq[sl]
+        g = gm.to(cd) * coef
+        if maximize:
+            g = -g
+        t = steps[i].to(cd) + 1
+        w_new = w
+        if weight_decay != 0:
+            if decoupled:
+                w_new = w * (1 - lr_c * weight_decay)
+            else:
+                g = g + weight_decay * w
+        m_new = torch.lerp(m, g, 1 - beta1)
+        v_new = v * beta2 + (1 - beta2) * g * g
+        step_size = lr_c / bias_correction(beta1, t)
+        denom = v_new.sqrt() / bias_correction(beta2, t).sqrt() + eps
+        w_new = w_new - step_size * m_new / denom
+        _commit(skip, [(m, m_new), (v, v_new), (w, w_new)])
+        if master is not None:
+            _commit(skip, [(pm, w_new.to(pm.dtype))])
+        steps[i] += (~skip).to(steps.dtype)
 
 
-def adamw_step_(param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr, out_stats,
+def adamw_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
                 beta1, beta2, eps, weight_decay, max_norm, maximize=False) -> None:
     """AdamW (decoupled weight decay); see :func:`adam_step_`."""
-    adam_step_(param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr, out_stats,
+    adam_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
                beta1, beta2, eps, weight_decay, max_norm, True, maximize)
 
 
-def sgd_step_(param: Tensor, grad: Tensor, master: Optional[Tensor], momentum_buf: Optional[Tensor],
-              step: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
-              momentum: float, dampening: float, weight_decay: float, nesterov: bool, max_norm: float,
-              maximize: bool = False) -> None:
-    """One SGD step with torch's semantics over flat buffers.
+def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
+              momentum_buf: Optional[Tensor], steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
+              out_stats: Tensor, momentum: float, dampening: float, weight_decay: float, nesterov: bool,
+              max_norm: float, maximize: bool = False) -> None:
+    """One SGD step with torch's semantics over a list of parameters (layout as :func:`adam_step_`).
 
-    ::
+    For each parameter ``i`` with a gradient::
 
         g = c * grad  (negated if maximize);  g = g + weight_decay * w
-        if momentum: b = g on the first step (step == 0), else b = momentum * b + (1 - dampening) * g
+        if momentum: b = g on the parameter's first step (steps[i] == 0), else b = momentum * b + (1 - dampening) * g
                      g = g + momentum * b if nesterov else b
-        w = w - lr * g;  param = round(w);  step = step + 1
+        w = w - lr * g;  param = round(w);  steps[i] = steps[i] + 1
 
-    ``momentum_buf`` is required (compute dtype, same numel) when ``momentum != 0``, else ignored.
+    ``momentum_buf`` is required (a flat buffer like the master) when ``momentum != 0``, else ignored.
     """
-    w = _compute_copy(param, master)
-    cd = w.dtype
+    cd = _compute_dtype(params, master)
     coef, skip = _prologue(partials, inv_scale, max_norm, out_stats, cd)
-    g = grad.to(cd) * coef
-    if maximize:
-        g = -g
-    if weight_decay != 0:
-        g = g + weight_decay * w
-    pairs = []
-    if momentum != 0:
-        b_new = torch.where(step == 0, g, momentum_buf * momentum + (1 - dampening) * g)
-        pairs.append((momentum_buf, b_new))
-        g = g + momentum * b_new if nesterov else b_new
-    w_new = w - lr.to(cd) * g
-    pairs.append((w, w_new))
-    _commit(skip, pairs)
-    if master is not None:
-        _commit(skip, [(param, w_new.to(param.dtype))])
-    step.add_((~skip).to(step.dtype))
+    lr_c = lr.to(cd)
+    for i, pm, gm, w, sl in _tensors_to_update(params, grads, master):
+        g = gm.to(cd) * coef
+        if maximize:
+            g = -g
+        if weight_decay != 0:
+            g = g + weight_decay * w
+        pairs = []
+        if momentum != 0:
+            b = momentum_buf[sl]
+            b_new = torch.where(steps[i] == 0, g, b * momentum + (1 - dampening) * g)
+            pairs.append((b, b_new))
+            g = g + momentum * b_new if nesterov else b_new
+        w_new = w - lr_c * g
+        pairs.append((w, w_new))
+        _commit(skip, pairs)
+        if master is not None:
+            _commit(skip, [(pm, w_new.to(pm.dtype))])
+        steps[i] += (~skip).to(steps.dtype)

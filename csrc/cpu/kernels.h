@@ -25,24 +25,31 @@ struct Buf {
   int dtype;
 };
 
-// Flat-buffer step over [0, n): pointers already resolved; consts already derived by the prologue.
-struct StepBufs {
+// One parameter of a step: pointers resolved, per-step constants derived from its own step count.
+struct StepTensor {
   void* param;
+  const void* grad;  // never null here: parameters without a gradient are not handed to the drivers
+  int64_t n;
+  int64_t offset;    // of its first element in master / state1 / state2
+};
+
+// The step's flat state buffers and the dtypes of the tensors.
+struct StepBufs {
   int param_dtype;
-  const void* grad;
   int grad_dtype;
-  float* master;
+  float* master;  // null: the parameters are the fp32 compute copy
   float* state1;
   float* state2;
-  int64_t n;
 };
 
 #define AMPFUSED_CPU_ISA_API(ns)                                                                      \
   namespace ns {                                                                                    \
   void norm_check(const Buf* bufs, int64_t nbufs, const int64_t* first_chunk, float inv_scale,      \
                   float* partials, int64_t num_partials, bool unscale, int nthreads);               \
-  void adam_apply(const StepBufs& b, const AdamConsts& c, int nthreads);                            \
-  void sgd_apply(const StepBufs& b, const SgdConsts& c, int nthreads);                              \
+  void adam_apply(const StepBufs& b, const StepTensor* ts, const AdamConsts* c, int64_t count,     \
+                  int nthreads);                                                                    \
+  void sgd_apply(const StepBufs& b, const StepTensor* ts, const SgdConsts* c, int64_t count,        \
+                 int nthreads);                                                                     \
   }
 
 AMPFUSED_CPU_ISA_API(isa_default)

@@ -71,13 +71,13 @@ void chunk_norm(T* __restrict p, int64_t n, float inv_scale, double* sumsq, uint
 }
 
 template <typename G, typename P, bool kMaster>
-void adam_range(const StepBufs& b, const AdamConsts& consts, int64_t lo, int64_t hi) {
+void adam_range(const StepBufs& b, const StepTensor& t, const AdamConsts& consts, int64_t lo, int64_t hi) {
   const AdamConsts c = consts;  // a local copy: stores to the buffers cannot alias it
-  const G* __restrict g = static_cast<const G*>(b.grad);
-  P* __restrict p = static_cast<P*>(b.param);
-  float* __restrict w = kMaster ? b.master : reinterpret_cast<float*>(b.param);
-  float* __restrict m = b.state1;
-  float* __restrict v = b.state2;
+  const G* __restrict g = static_cast<const G*>(t.grad);
+  P* __restrict p = static_cast<P*>(t.param);
+  float* __restrict w = kMaster ? b.master + t.offset : static_cast<float*>(t.param);
+  float* __restrict m = b.state1 + t.offset;
+  float* __restrict v = b.state2 + t.offset;
 #pragma omp simd
   for (int64_t i = lo; i < hi; ++i) {
     float wi = w[i], mi = m[i], vi = v[i];
@@ -90,13 +90,13 @@ void adam_range(const StepBufs& b, const AdamConsts& consts, int64_t lo, int64_t
 }
 
 template <typename G, typename P, bool kMaster, bool kMomentum>
-void sgd_range(const StepBufs& b, const SgdConsts& consts, int64_t lo, int64_t hi) {
+void sgd_range(const StepBufs& b, const StepTensor& t, const SgdConsts& consts, int64_t lo, int64_t hi) {
   SgdConsts c = consts;
   c.use_momentum = kMomentum;
-  const G* __restrict g = static_cast<const G*>(b.grad);
-  P* __restrict p = static_cast<P*>(b.param);
-  float* __restrict w = kMaster ? b.master : reinterpret_cast<float*>(b.param);
-  float* __restrict s = b.state1;
+  const G* __restrict g = static_cast<const G*>(t.grad);
+  P* __restrict p = static_cast<P*>(t.param);
+  float* __restrict w = kMaster ? b.master + t.offset : static_cast<float*>(t.param);
+  float* __restrict s = kMomentum ? b.state1 + t.offset : nullptr;
 #pragma omp simd
   for (int64_t i = lo; i < hi; ++i) {
     float wi = w[i];
@@ -108,14 +108,23 @@ void sgd_range(const StepBufs& b, const SgdConsts& consts, int64_t lo, int64_t h
   }
 }
 
-// Runs fn(lo, hi) over [0, n) in blocks of kStepBlock, statically split across threads. The step
-// is elementwise, so the split never changes a result.
+// One unit of parallel work: elements [lo, hi) of tensor k.
+struct Work {
+  int64_t k, lo, hi;
+};
+
+// Runs fn(tensor, lo, hi) over every tensor in blocks of kStepBlock, the blocks statically split across
+// threads. The step is elementwise, so the split never changes a result.
 template <typename F>
-void parallel_blocks(int64_t n, int nthreads, F&& fn) {
-  const int64_t nblocks = (n + kStepBlock - 1) / kStepBlock;
-  const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, nblocks)));
+void parallel_blocks(const StepTensor* ts, int64_t count, int nthreads, F&& fn) {
+  std::vector<Work> work;
+  for (int64_t k = 0; k < count; ++k) {
+    for (int64_t lo = 0; lo < ts[k].n; lo += kStepBlock) work.push_back({k, lo, std::min(ts[k].n, lo + kStepBlock)});
+  }
+  const int64_t nwork = int64_t(work.size());
+  const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, nwork)));
 #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
-  for (int64_t k = 0; k < nblocks; ++k) fn(k * kStepBlock, std::min(n, (k + 1) * kStepBlock));
+  for (int64_t i = 0; i < nwork; ++i) fn(work[i].k, work[i].lo, work[i].hi);
 }
 
 }  // namespace
@@ -143,33 +152,36 @@ void norm_check(const Buf* bufs, int64_t nbufs, const int64_t* first_chunk, floa
   }
 }
 
-void adam_apply(const StepBufs& b, const AdamConsts& c, int nthreads) {
+void adam_apply(const StepBufs& b, const StepTensor* ts, const AdamConsts* c, int64_t count, int nthreads) {
   with_type(b.grad_dtype, [&](auto gtag) {
     with_type(b.param_dtype, [&](auto ptag) {
       using G = decltype(gtag);
       using P = decltype(ptag);
       if (b.master) {
-        parallel_blocks(b.n, nthreads, [&](int64_t lo, int64_t hi) { adam_range<G, P, true>(b, c, lo, hi); });
+        parallel_blocks(ts, count, nthreads,
+                        [&](int64_t k, int64_t lo, int64_t hi) { adam_range<G, P, true>(b, ts[k], c[k], lo, hi); });
       } else {
-        parallel_blocks(b.n, nthreads, [&](int64_t lo, int64_t hi) { adam_range<G, float, false>(b, c, lo, hi); });
+        parallel_blocks(ts, count, nthreads, [&](int64_t k, int64_t lo, int64_t hi) {
+          adam_range<G, float, false>(b, ts[k], c[k], lo, hi);
+        });
       }
     });
   });
 }
 
-void sgd_apply(const StepBufs& b, const SgdConsts& c, int nthreads) {
+void sgd_apply(const StepBufs& b, const StepTensor* ts, const SgdConsts* c, int64_t count, int nthreads) {
   with_type(b.grad_dtype, [&](auto gtag) {
     with_type(b.param_dtype, [&](auto ptag) {
       using G = decltype(gtag);
       using P = decltype(ptag);
       const bool mom = b.state1 != nullptr;
-      parallel_blocks(b.n, nthreads, [&](int64_t lo, int64_t hi) {
+      parallel_blocks(ts, count, nthreads, [&](int64_t k, int64_t lo, int64_t hi) {
         if (b.master) {
-          if (mom) sgd_range<G, P, true, true>(b, c, lo, hi);
-          else sgd_range<G, P, true, false>(b, c, lo, hi);
+          if (mom) sgd_range<G, P, true, true>(b, ts[k], c[k], lo, hi);
+          else sgd_range<G, P, true, false>(b, ts[k], c[k], lo, hi);
         } else {
-          if (mom) sgd_range<G, float, false, true>(b, c, lo, hi);
-          else sgd_range<G, float, false, false>(b, c, lo, hi);
+          if (mom) sgd_range<G, float, false, true>(b, ts[k], c[k], lo, hi);
+          else sgd_range<G, float, false, false>(b, ts[k], c[k], lo, hi);
         }
       });
     });

@@ -29,8 +29,8 @@ namespace {
 struct Isa {
   const char* name;
   void (*norm_check)(const Buf*, int64_t, const int64_t*, float, float*, int64_t, bool, int);
-  void (*adam)(const StepBufs&, const AdamConsts&, int);
-  void (*sgd)(const StepBufs&, const SgdConsts&, int);
+  void (*adam)(const StepBufs&, const StepTensor*, const AdamConsts*, int64_t, int);
+  void (*sgd)(const StepBufs&, const StepTensor*, const SgdConsts*, int64_t, int);
   bool supported;
 };
 
@@ -121,42 +121,73 @@ bool prologue(const StepArgs& a, double max_norm, float* coef) {
   return !found_inf;
 }
 
+// The parameters that have a gradient, from the tensor table (host memory here).
+std::vector<int64_t> active_rows(const StepArgs& a) {
+  std::vector<int64_t> rows;
+  for (int64_t k = 0; k < a.count; ++k) {
+    if (a.table[k * kTableCols + kColNumel] != kNoGrad) rows.push_back(k);
+  }
+  return rows;
+}
+
+StepTensor tensor_of(const StepArgs& a, int64_t k) {
+  const int64_t* r = a.table + k * kTableCols;
+  return StepTensor{addr<void>(uintptr_t(r[kColParam])), addr<const void>(uintptr_t(r[kColGrad])), r[kColNumel],
+                    r[kColOffset]};
+}
+
 StepBufs bufs_of(const StepArgs& a) {
-  return StepBufs{a.param, a.param_dtype, a.grad, a.grad_dtype, a.master, a.state1, a.state2, a.n};
+  return StepBufs{a.param_dtype, a.grad_dtype, a.master, a.state1, a.state2};
 }
 
-void adam_step(uintptr_t param, int param_dtype, uintptr_t grad, int grad_dtype, uintptr_t master,
-               uintptr_t exp_avg, uintptr_t exp_avg_sq, int64_t n, uintptr_t step, int step_code,
-               uintptr_t partials, int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code,
-               uintptr_t out_stats, double beta1, double beta2, double eps, double weight_decay,
-               double max_norm, bool decoupled, bool maximize, int nthreads) {
-  const StepArgs a = step_args(param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, n, step,
-                               step_code, partials, num_partials, inv_scale, lr, lr_code, out_stats);
+// Each parameter's step count advances by one after its update (never on a skipped step).
+void advance_steps(const StepArgs& a, const std::vector<int64_t>& rows) {
+  for (int64_t k : rows) add_one(scalar_at(a.steps, a.step_code, k), a.step_code);
+}
+
+void adam_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
+               uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t steps, int step_code, uintptr_t partials,
+               int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats,
+               double beta1, double beta2, double eps, double weight_decay, double max_norm, bool decoupled,
+               bool maximize, int nthreads) {
+  const StepArgs a = step_args(table, count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq, steps, step_code,
+                               partials, num_partials, inv_scale, lr, lr_code, out_stats);
   py::gil_scoped_release nogil;
   float coef;
   if (!prologue(a, max_norm, &coef)) return;
   const float lr_f = float(read_scalar(a.lr, a.lr_code));
-  const double t = next_step(read_scalar(a.step, a.step_code));
-  const AdamConsts c = make_adam_consts(coef, lr_f, t, beta1, beta2, eps, weight_decay, decoupled, maximize);
-  isa().adam(bufs_of(a), c, nthreads);
-  add_one(a.step, a.step_code);
+  const std::vector<int64_t> rows = active_rows(a);
+  std::vector<StepTensor> ts;
+  std::vector<AdamConsts> cs;
+  for (int64_t k : rows) {
+    ts.push_back(tensor_of(a, k));
+    const double t = next_step(read_scalar(scalar_at(a.steps, a.step_code, k), a.step_code));
+    cs.push_back(make_adam_consts(coef, lr_f, t, beta1, beta2, eps, weight_decay, decoupled, maximize));
+  }
+  isa().adam(bufs_of(a), ts.data(), cs.data(), int64_t(ts.size()), nthreads);
+  advance_steps(a, rows);
 }
 
-void sgd_step(uintptr_t param, int param_dtype, uintptr_t grad, int grad_dtype, uintptr_t master,
-              uintptr_t momentum_buf, int64_t n, uintptr_t step, int step_code, uintptr_t partials,
-              int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats,
-              double momentum, double dampening, double weight_decay, bool nesterov, double max_norm,
-              bool maximize, int nthreads) {
-  const StepArgs a = step_args(param, param_dtype, grad, grad_dtype, master, momentum != 0.0 ? momentum_buf : 0,
-                               0, n, step, step_code, partials, num_partials, inv_scale, lr, lr_code, out_stats);
+void sgd_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
+              uintptr_t momentum_buf, uintptr_t steps, int step_code, uintptr_t partials, int64_t num_partials,
+              uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double momentum,
+              double dampening, double weight_decay, bool nesterov, double max_norm, bool maximize, int nthreads) {
+  const StepArgs a = step_args(table, count, param_dtype, grad_dtype, master, momentum != 0.0 ? momentum_buf : 0, 0,
+                               steps, step_code, partials, num_partials, inv_scale, lr, lr_code, out_stats);
   py::gil_scoped_release nogil;
   float coef;
   if (!prologue(a, max_norm, &coef)) return;
   const float lr_f = float(read_scalar(a.lr, a.lr_code));
-  const float step_f = float(read_scalar(a.step, a.step_code));
-  const SgdConsts c = make_sgd_consts(coef, lr_f, step_f, momentum, dampening, weight_decay, nesterov, maximize);
-  isa().sgd(bufs_of(a), c, nthreads);
-  add_one(a.step, a.step_code);
+  const std::vector<int64_t> rows = active_rows(a);
+  std::vector<StepTensor> ts;
+  std::vector<SgdConsts> cs;
+  for (int64_t k : rows) {
+    ts.push_back(tensor_of(a, k));
+    const float step_f = float(read_scalar(scalar_at(a.steps, a.step_code, k), a.step_code));
+    cs.push_back(make_sgd_consts(coef, lr_f, step_f, momentum, dampening, weight_decay, nesterov, maximize));
+  }
+  isa().sgd(bufs_of(a), ts.data(), cs.data(), int64_t(ts.size()), nthreads);
+  advance_steps(a, rows);
 }
 
 void update_scale_op(uintptr_t scale, uintptr_t growth_tracker, uintptr_t found_inf, double growth_factor,
@@ -188,6 +219,7 @@ py::dict build_info() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ampfused CPU kernels (torch-free: raw addresses, sizes and dtype codes)";
   m.attr("CHUNK") = kChunk;
+  m.attr("TABLE_COLS") = kTableCols;
   m.attr("__version__") = AMPFUSED_VERSION;
   m.def("build_info", &build_info);
   m.def("isa", [] { return std::string(isa().name); }, "instruction set the kernels run with");

@@ -237,6 +237,10 @@ AF_HD void update_scale(float* scale, int32_t* growth_tracker, float found_inf, 
 AF_HD double read_scalar(const void* p, int code) {
   return code == 3 ? *static_cast<const double*>(p) : double(*static_cast<const float*>(p));
 }
+// Element k of a 1-D fp32 (code 0) / fp64 (code 3) array, e.g. one parameter's step count.
+AF_HD void* scalar_at(void* p, int code, int64_t k) {
+  return code == 3 ? static_cast<void*>(static_cast<double*>(p) + k) : static_cast<void*>(static_cast<float*>(p) + k);
+}
 AF_HD void add_one(void* p, int code) {
   if (code == 3) *static_cast<double*>(p) += 1.0;
   else *static_cast<float*>(p) += 1.0f;
