@@ -2,7 +2,6 @@
 __version__ = "0.1.0"
 
 from . import ops  # noqa: F401
-from .flat import FlatBuffer
 from .guard import SpikeGuard
 from .optim import FusedAdam, FusedAdamW, FusedSGD
 from .scaler import GradScaler
@@ -10,6 +9,6 @@ from .policies import MinScaleError, ScalePolicy, register_scale_policy
 from .clip import clip_grad_norm_
 from . import cuda  # noqa: F401  (ampfused.cuda.amp.GradScaler, the torch.cuda.amp spelling)
 
-__all__ = ["ops", "__version__", "FlatBuffer", "SpikeGuard", "FusedAdam", "FusedAdamW", "FusedSGD",
+__all__ = ["ops", "__version__", "SpikeGuard", "FusedAdam", "FusedAdamW", "FusedSGD",
            "GradScaler", "clip_grad_norm_", "cuda",
            "ScalePolicy", "register_scale_policy", "MinScaleError"]

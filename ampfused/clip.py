@@ -169,10 +169,13 @@ def _scale_grads_(grads: List[Tensor], coef: Tensor) -> None:
 def _fold_into_owner(params: List[Tensor], max_norm: float, norm_type: float,
                      error_if_nonfinite: bool) -> Optional[Tensor]:
     """If ``params`` are exactly the parameters of one fused optimizer, let it fold the clip into its step."""
+    from .optim._base import owner_of
     owner = None
     for p in params:
-        ref = getattr(p, "_ampfused_owner", None)
-        o = ref() if callable(ref) else None
+        o = owner_of(p)
+        if o is None:  # an optimizer outside ampfused may mark its parameters itself
+            ref = getattr(p, "_ampfused_owner", None)
+            o = ref() if callable(ref) else None
         if o is None or (owner is not None and o is not owner):
             return None
         owner = o

@@ -89,7 +89,11 @@ _FUSED_DEVICES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _fused_device(optimizer, default: torch.device) -> torch.device:
-    """The one device of a fused optimizer's parameters (its kernels take flat buffers on one device)."""
+    """The one device of a fused optimizer's parameters (its kernels run on one device). ampfused's own
+    optimizers say it themselves, after following any move of their parameters."""
+    own = getattr(optimizer, "_ampfused_device", None)
+    if callable(own):
+        return own()
     sizes = tuple(len(g["params"]) for g in optimizer.param_groups)
     known = _FUSED_DEVICES.get(optimizer)
     if known is not None and known[0] == sizes:

@@ -126,13 +126,13 @@ def run_reference(inst: Instance, params: List[Tensor], plan: Plan) -> Expected:
         partials = reference.norm_check([g.reshape(-1) for g in grads], inv_scale)  # every element
         new_step = step
         for i, (g, s) in enumerate(zip(grads, plan.sample)):
-            st = step.clone()
-            reference.adamw_step_(param[i], _pick(g, s), master[i] if master else None, m[i], v[i], st, partials,
+            st = step.clone().view(1)
+            reference.adamw_step_([param[i]], [_pick(g, s)], master[i] if master else None, m[i], v[i], st, partials,
                                   inv_scale, lr, stats, inst.betas[0], inst.betas[1], inst.eps,
                                   inst.weight_decay, inst.max_norm_or_inf)
             new_step = st
         updates += int(new_step.item() != step.item())
-        step = new_step
+        step = new_step.reshape(())
         norms.append(float(stats[0]))
         if inst.scaler:
             reference.update_scale_(scale, tracker, stats[1], GROWTH, BACKOFF, inst.growth_interval)

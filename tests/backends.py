@@ -24,11 +24,18 @@ requires_triton = pytest.mark.skipif(
     reason="triton backend cannot run here")
 
 
+def set_grad(p, value):
+    """Give ``p`` a gradient of its own with these values (a number or a tensor, converted as ``copy_``
+    converts), as backward would after ``zero_grad()``; returns it."""
+    p.grad = torch.empty_like(p).copy_(value) if isinstance(value, torch.Tensor) else torch.full_like(p, value)
+    return p.grad
+
+
 def snapshot(opt, params):
     """Copies of everything a fused optimizer step may change: params, step counts, states, masters."""
     out = [p.detach().clone() for p in params]
     for seg in opt._segments:
-        out += [seg.step.clone()] + [t.clone() for t in seg.states.values()]
+        out += [seg.steps.clone()] + [t.clone() for t in seg.states.values()]
         if seg.master is not None:
             out.append(seg.master.clone())
     return out

@@ -1,5 +1,5 @@
-"""Fused-optimizer behaviour: skipped steps change nothing, flat buffers, awkward sizes, lr handling,
-the long loop with torch's scaler and clip, torch.compile and the custom ops."""
+"""Fused-optimizer behaviour: skipped steps change nothing, the user's tensors stay theirs, awkward sizes, lr
+handling, the long loop with torch's scaler and clip, torch.compile and the custom ops."""
 import math
 import warnings
 
@@ -8,7 +8,7 @@ import torch
 
 import ampfused
 from ampfused import ops
-from backends import cpu_backends, snapshot
+from backends import cpu_backends, snapshot, set_grad
 from oracle import assert_bitwise
 
 
@@ -23,52 +23,54 @@ def test_skipped_step_changes_nothing(make, bad, backend):
     params = [torch.randn(6, 5, dtype=torch.bfloat16, requires_grad=True), torch.randn(3, requires_grad=True)]
     opt = make(params, backend)
     for p in params:
-        p.grad.copy_(torch.randn_like(p))
+        set_grad(p, torch.randn_like(p))
     opt.step()  # so that states are non-trivial
     before = snapshot(opt, params)
     for p in params:
-        p.grad.copy_(torch.randn_like(p))
+        set_grad(p, torch.randn_like(p))
     params[0].grad[2, 3] = bad
     opt.step()
     assert bool(opt.last_step_skipped) and opt.last_found_inf.item() == 1.0
     for i, (a, b) in enumerate(zip(before, snapshot(opt, params))):
         assert_bitwise(f"tensor {i}", a, b)
     for p in params:
-        p.grad.copy_(torch.randn_like(p))
+        set_grad(p, torch.randn_like(p))
     opt.step()
     assert not bool(opt.last_step_skipped)
-    assert opt._segments[0].step.item() == 2
+    assert [opt.state[p]["step"].item() for p in params] == [2, 2]
 
 
-def test_params_and_grads_are_views_into_flat_buffers():
+def test_parameters_and_gradients_stay_the_users_tensors():
+    conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
     params = [torch.randn(3, 3, dtype=torch.bfloat16, requires_grad=True),
-              torch.randn(5, dtype=torch.bfloat16, requires_grad=True), torch.randn(2, requires_grad=True)]
-    values = [p.detach().clone() for p in params]
+              torch.randn(5, dtype=torch.bfloat16, requires_grad=True), conv.weight]
+    before = [(p.data_ptr(), p.stride(), p.detach().clone()) for p in params]
     opt = ampfused.FusedAdamW(params)
-    bf16 = [s for s in opt._segments if s.flat.dtype == torch.bfloat16][0]
-    for p, v in zip(params, values):
-        assert torch.equal(p.detach(), v)
-    assert params[0].data_ptr() == bf16.flat.data.data_ptr()
-    assert params[1].grad.data_ptr() % 16 == 0 and params[1].data_ptr() % 16 == 0
-    assert len(opt._segments) == 2 and opt._segments[1].master is None  # fp32 params need no master
+    for p, (ptr, stride, value) in zip(params, before):
+        assert p.data_ptr() == ptr and p.stride() == stride and torch.equal(p.detach(), value) and p.grad is None
     loss = sum((p.float() ** 2).sum() for p in params)
     loss.backward()
-    assert torch.equal(params[0].grad, 2 * params[0].detach())
-    assert bf16.flat.grad.abs().sum() > 0
+    grads = [p.grad for p in params]
+    opt.step()
+    for p, (ptr, stride, _), g in zip(params, before, grads):
+        assert p.data_ptr() == ptr and p.stride() == stride and p.grad is g  # updated in place, grads untouched
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert opt.state[conv.weight]["exp_avg"].stride() == conv.weight.stride()
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is g and not g.any() for p, g in zip(params, grads))
     opt.zero_grad()
-    assert bf16.flat.grad.abs().sum() == 0 and params[0].grad is not None
-    assert params[0].grad.data_ptr() == bf16.flat.grad.data_ptr()
+    assert all(p.grad is None for p in params)
 
 
-def test_replaced_grad_is_copied_in_with_one_warning():
+def test_model_zero_grad_set_to_none_matches_the_recipe_without_warnings():
     model = torch.nn.Linear(4, 3).bfloat16()
     opt = ampfused.FusedSGD(model.parameters(), lr=0.1)
     ref = torch.nn.Linear(4, 3).bfloat16()
     ref.load_state_dict(model.state_dict())
     master = [p.detach().float() for p in ref.parameters()]
     x = torch.randn(8, 4, dtype=torch.bfloat16)
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         for _ in range(3):
             model.zero_grad(set_to_none=True)
             model(x).float().sum().backward()
@@ -78,19 +80,18 @@ def test_replaced_grad_is_copied_in_with_one_warning():
             for m, p in zip(master, ref.parameters()):
                 m.sub_(0.1 * p.grad.float())
                 p.data.copy_(m)
-    assert sum("flat gradient buffer" in str(x.message) for x in w) == 1
     for a, b in zip(model.parameters(), ref.parameters()):
         assert torch.equal(a, b)
 
 
-def test_grad_of_unused_param_reads_as_zero():
+def test_parameter_without_gradient_is_skipped_like_torch():
     params = [torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)]
-    opt = ampfused.FusedSGD(params, lr=1.0)
-    params[0].grad.fill_(1.0)
-    params[1].grad = None
+    opt = ampfused.FusedAdamW(params, lr=1.0, weight_decay=0.5)
+    set_grad(params[0], 1.0)
     before = params[1].detach().clone()
     opt.step()
-    assert torch.equal(params[1].detach(), before)
+    assert torch.equal(params[1].detach(), before) and params[1] not in opt.state  # no decay, no state
+    assert opt.state[params[0]]["step"].item() == 1
 
 
 @pytest.mark.parametrize("backend", cpu_backends())
@@ -104,13 +105,14 @@ def test_awkward_sizes_match_reference(sizes, backend):
     for _ in range(2):
         for a, b in zip(p_ref, p_new):
             g = torch.randn_like(a)
-            a.grad.copy_(g)
-            b.grad.copy_(g)
+            set_grad(a, g)
+            set_grad(b, g)
         o_ref.step()
         o_new.step()
         torch.testing.assert_close(o_new.last_grad_norm, o_ref.last_grad_norm, rtol=1e-5, atol=0)
-        m_ref, m_new = o_ref._segments[0].master, o_new._segments[0].master
-        torch.testing.assert_close(m_new, m_ref, rtol=2e-6, atol=1e-7)
+        for a, b in zip(p_ref, p_new):
+            torch.testing.assert_close(o_new.state[b]["master_param"], o_ref.state[a]["master_param"], rtol=2e-6,
+                                       atol=1e-7)
 
 
 def test_lr_float_tensor_and_scheduler():
@@ -119,7 +121,7 @@ def test_lr_float_tensor_and_scheduler():
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
     w = params[0].detach().clone()
     for k in range(3):
-        params[0].grad.fill_(1.0)
+        set_grad(params[0], 1.0)
         opt.step()
         sched.step()
         w -= 0.5 * 0.1 ** k
@@ -128,7 +130,7 @@ def test_lr_float_tensor_and_scheduler():
     lr = torch.tensor(0.25)
     opt2 = ampfused.FusedSGD(params2, lr=lr)
     w2 = params2[0].detach().clone()
-    params2[0].grad.fill_(1.0)
+    set_grad(params2[0], 1.0)
     opt2.step()
     lr.fill_(0.125)
     opt2.step()
@@ -138,9 +140,9 @@ def test_lr_float_tensor_and_scheduler():
 def test_bf16_training_without_scaler_reports_norm_and_clips():
     params = [torch.randn(50, dtype=torch.bfloat16, requires_grad=True)]
     opt = ampfused.FusedSGD(params, lr=1.0, max_grad_norm=1.0)
-    master = opt.state[params[0]]["master_param"].clone()
+    master = params[0].detach().float()
     g = torch.randn(50, dtype=torch.bfloat16) * 10
-    params[0].grad.copy_(g)
+    set_grad(params[0], g)
     opt.step()
     norm = g.float().norm()
     torch.testing.assert_close(opt.last_grad_norm, norm)
@@ -157,7 +159,7 @@ def test_long_loop_with_torch_scaler_unscale_and_torch_clip():
     scaler.scale(torch.ones(()))
     grads = [torch.randn_like(w) for w in init]
     for p, g in zip(fparams, grads):
-        p.grad.copy_((g * 256).bfloat16())
+        set_grad(p, (g * 256).bfloat16())
     scaler.unscale_(fopt)
     torch.testing.assert_close(fparams[0].grad.float(), (grads[0] * 256).bfloat16().float() / 256)
     norm = torch.nn.utils.clip_grad_norm_(fparams, 0.5)
@@ -178,32 +180,40 @@ def test_step_under_torch_compile_fullgraph():
     opt = ampfused.FusedAdamW(params, lr=torch.tensor(1e-2), max_grad_norm=1.0)
     eager = ampfused.FusedAdamW(eager_params, lr=torch.tensor(1e-2), max_grad_norm=1.0)
     compiled = torch.compile(opt.step, fullgraph=True)
+    with pytest.raises(Exception, match=r"run one eager step\(\) \(or call state_dict\(\)\) first"):
+        compiled()
+    torch._dynamo.reset()
+    opt.state_dict(), eager.state_dict()  # the optimizers see their parameters (eagerly) before compiling
+    compiled = torch.compile(opt.step, fullgraph=True)
     for k in range(3):
         for p, q in zip(params, eager_params):
             g = torch.randn_like(p)
-            p.grad.copy_(g)
-            q.grad.copy_(g)
+            set_grad(p, g)
+            set_grad(q, g)
         compiled()
         eager.step()
     for p, q in zip(params, eager_params):
         assert_bitwise("compiled vs eager", p.detach(), q.detach())
-    assert opt._segments[0].step.item() == 3
+    assert all(opt.state[p]["step"].item() == 3 for p in params)
 
 
 def test_custom_ops_pass_opcheck():
     from torch.library import opcheck
     n = 33
     p, g = torch.randn(n, dtype=torch.bfloat16), torch.randn(n, dtype=torch.bfloat16)
-    master, m, v = p.float(), torch.zeros(n), torch.zeros(n)
-    inv, lr, st, step = torch.tensor(0.5), torch.tensor(1e-3), torch.zeros(2), torch.zeros(())
+    q = torch.randn(2, 3, dtype=torch.bfloat16)
+    ps, gs = [p, q], [g, None]
+    total = ops.state_layout([n, q.numel()])[1]
+    master, m, v = torch.randn(total), torch.zeros(total), torch.zeros(total)
+    inv, lr, st, steps = torch.tensor(0.5), torch.tensor(1e-3), torch.zeros(2), torch.zeros(2)
     for b in cpu_backends():
         part = ops.norm_check([g], inv, backend=b)
         opcheck(torch.ops.ampfused.norm_check.default, ([g, g[:7]], inv, b))
         opcheck(torch.ops.ampfused.unscale_.default, ([g.clone()], inv, b))
         opcheck(torch.ops.ampfused.adam_step_.default,
-                (p, g, master, m, v, step, part, inv, lr, st, 0.9, 0.999, 1e-8, 0.01, 1.0, True, False, b))
+                (ps, gs, master, m, v, steps, part, inv, lr, st, 0.9, 0.999, 1e-8, 0.01, 1.0, True, False, b))
         opcheck(torch.ops.ampfused.sgd_step_.default,
-                (p, g, master, m, step, part, inv, lr, st, 0.9, 0.0, 0.0, True, math.inf, False, b))
+                (ps, gs, master, m, steps, part, inv, lr, st, 0.9, 0.0, 0.0, True, math.inf, False, b))
         opcheck(torch.ops.ampfused.update_scale_.default,
                 (torch.tensor(8.0), torch.zeros((), dtype=torch.int32), torch.tensor(0.0), 2.0, 0.5, 2, b))
 
@@ -212,8 +222,8 @@ def test_custom_ops_pass_opcheck():
 def test_master_weights_true_on_fp32_params_keeps_a_separate_master(backend):
     params = [torch.randn(10, requires_grad=True)]
     opt = ampfused.FusedAdamW(params, master_weights=True, backend=backend)
+    set_grad(params[0], 1.0)
+    opt.step()
     master = opt.state[params[0]]["master_param"]
     assert master.data_ptr() != params[0].data_ptr()
-    params[0].grad.fill_(1.0)
-    opt.step()
     assert torch.equal(master, params[0].detach()) and opt.state[params[0]]["step"].item() == 1

@@ -52,7 +52,6 @@ def test_matches_torch_messages_for_shared_rules():
     (lambda: torch.zeros(3, dtype=torch.complex64), TypeError, "has dtype torch.complex64"),
     (lambda: torch.zeros(3, dtype=torch.float64), TypeError, "has dtype torch.float64"),
     (lambda: torch.sparse_coo_tensor([[0]], [1.0], (3,)), TypeError, "is sparse"),
-    (lambda: torch.zeros(3, device="meta"), ValueError, "is on meta but other parameters are on cpu"),
     (lambda: torch.randn(2, requires_grad=True) * 2, ValueError, "can't optimize a non-leaf Tensor"),
 ])
 def test_invalid_parameters_fail_before_any_change(bad, exc, msg):
@@ -61,6 +60,18 @@ def test_invalid_parameters_fail_before_any_change(bad, exc, msg):
     with pytest.raises(exc, match=msg):
         ampfused.FusedAdamW(good + [bad()])
     assert [p.data_ptr() for p in good] == ptrs
+
+
+def test_parameters_on_several_devices_fail_at_the_step_before_any_change():
+    good = _params()
+    opt = ampfused.FusedAdamW(good + [torch.zeros(3, device="meta", requires_grad=True)])
+    for p in good:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in good]
+    with pytest.raises(ValueError, match=r"parameters must all be on one device, but .* is on cpu; "
+                                         r".*\['params'\]\[2\] \(shape \(3,\)\) is on meta"):
+        opt.step()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, good)) and not opt.state
 
 
 def test_duplicate_parameters():
@@ -91,7 +102,8 @@ def test_functional_ops_name_the_tensor_and_rule():
         ops.adamw_step_(a["param"], a["grad"], a["master"], a["exp_avg"], a["exp_avg_sq"], a["step"],
                         a["partials"], a["inv_scale"], a["lr"], a["out_stats"])
 
-    with pytest.raises(ValueError, match="grad must have 8 elements like param, got 7"):
+    with pytest.raises(ValueError, match=r"grads\[0\] \(shape \(7,\), stride \(1,\)\) must have the shape and "
+                                         r"memory layout of params\[0\] \(shape \(8,\)"):
         call(grad=torch.randn(7, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match=r"exp_avg must have dtype in \['torch.float32'\]"):
         call(exp_avg=torch.zeros(n, dtype=torch.bfloat16))
@@ -101,8 +113,11 @@ def test_functional_ops_name_the_tensor_and_rule():
         call(master=None)
     with pytest.raises(ValueError, match=r"partials must have shape \[2, P\]"):
         call(partials=torch.zeros(3))
-    with pytest.raises(ValueError, match="step must be a 0-d tensor"):
-        call(step=torch.zeros(1))
+    with pytest.raises(ValueError, match=r"steps must be a contiguous 1-D tensor with one step count per "
+                                         r"parameter \(1\), got shape \(2,\)"):
+        call(step=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"exp_avg must have 8 elements, got 9"):
+        call(exp_avg=torch.zeros(n + 1))
     with pytest.raises(ValueError, match="beta1 must be finite"):
         ops.adamw_step_(*args.values(), beta1=math.inf)
     assert torch.equal(args["exp_avg"], torch.zeros(n))

@@ -14,7 +14,7 @@ import torch
 import ampfused
 from ampfused.policies import (AggressivePolicy, DynamicPolicy, HysteresisPolicy, MinScaleError, StaticPolicy,
                                registered_scale_policies)
-from backends import cpu_backends
+from backends import cpu_backends, set_grad
 from oracle import assert_bitwise
 
 # 60 iterations: isolated overflows, bursts of 2, 3 and 7, clean runs long enough to grow several times
@@ -82,7 +82,7 @@ def _drive(scaler, steps, overflows, read=True):
     scaler.scale(torch.ones(()))
     trace = []
     for k in range(steps):
-        p.grad.fill_(math.inf if k in overflows else 1.0)
+        set_grad(p, math.inf if k in overflows else 1.0)
         scaler.step(opt)
         scaler.update()
         if read:
@@ -181,7 +181,7 @@ def _fused_loop(scaler, n, overflow_at):
     p = torch.nn.Parameter(torch.ones(4))
     opt = ampfused.FusedSGD([p], lr=0.1)
     for k in range(n):
-        p.grad.fill_(math.inf if k in overflow_at else 1.0)
+        set_grad(p, math.inf if k in overflow_at else 1.0)
         scaler.scale(torch.ones(()))
         scaler.step(opt)
         scaler.update()
@@ -207,10 +207,10 @@ def test_min_scale_error_surfaces_at_the_next_step_of_a_plain_optimizer():
     opt.param_groups[0]["lr"] = 0.1
     s.scale(torch.ones(()))
     for k, over in enumerate([True, True]):  # 8 -> 4 (reaching min is fine), then an overflow at 4
-        p.grad.fill_(math.inf if over else 1.0)
+        set_grad(p, math.inf if over else 1.0)
         s.step(opt)
         s.update()
-    p.grad.fill_(1.0)
+    set_grad(p, 1.0)
     before = p.detach().clone()
     with pytest.raises(MinScaleError):
         s.step(opt)  # the read that decides the skip also fetches the count: no extra sync
@@ -543,7 +543,7 @@ def test_gpu_step_and_update_never_sync(policy):
     for k in range(10):
         s.scale(torch.ones((), device="cuda"))
         for p in params:
-            p.grad.copy_(torch.randn_like(p) * 256.0)
+            set_grad(p, torch.randn_like(p) * 256.0)
         if k in (3, 4, 5, 6, 7):
             params[2].grad[5] = math.inf
         torch.cuda.set_sync_debug_mode("error")

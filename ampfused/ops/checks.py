@@ -91,11 +91,11 @@ def step_inputs(params: Sequence[Tensor], grads: Sequence[Optional[Tensor]], mas
         raise TypeError(f"grads must be a list of tensors (or None), got {type(grads).__name__}")
     if len(grads) != len(params):
         raise ValueError(f"grads must have one entry per parameter: {len(params)} params, {len(grads)} grads")
-    tensor("steps", steps, dtypes=(torch.float32, torch.float64), numel=len(params))
+    tensor("steps", steps, dtypes=(torch.float32, torch.float64))
     dev = steps.device
-    if steps.dim() != 1 or not steps.is_contiguous():
-        raise ValueError(f"steps must be a contiguous 1-D tensor with one count per parameter, got shape "
-                         f"{tuple(steps.shape)}")
+    if steps.dim() != 1 or not steps.is_contiguous() or steps.numel() != len(params):
+        raise ValueError(f"steps must be a contiguous 1-D tensor with one step count per parameter ({len(params)}), "
+                         f"got shape {tuple(steps.shape)}")
     pdtype = params[0].dtype if len(params) else None
     gdtype = None
     for i, p in enumerate(params):
@@ -119,7 +119,7 @@ def step_inputs(params: Sequence[Tensor], grads: Sequence[Optional[Tensor]], mas
             raise ValueError(f"grads[{i}] (shape {tuple(g.shape)}, stride {g.stride()}) must have the shape and "
                              f"memory layout of params[{i}] (shape {tuple(p.shape)}, stride {p.stride()})")
     if pdtype in LOW_PRECISION and master is None:
-        raise ValueError(f"params have dtype {pdtype}: {pdtype} parameters need an fp32 master buffer "
+        raise ValueError(f"params have dtype {pdtype}: a {pdtype} parameter needs an fp32 master buffer "
                          "(pass master=...)")
     _, total = state_layout([p.numel() for p in params])
     if master is not None:

@@ -1,91 +1,111 @@
-"""Shared machinery of the fused optimizers: validation, flat segments, the two-kernel step, state dicts.
+"""Shared machinery of the fused optimizers: validation, following the user's tensors, the two-kernel step.
 
-A *segment* is the parameters of one param group that share a dtype: one FlatBuffer, one fp32 master buffer
-(when master weights are used), one flat buffer per optimizer state, one step counter and one lr tensor, all
-on the device. A step is: one ``norm_check`` over every segment's gradients (K1), then one update op per
-segment (K2) whose prologue reduces the partials, skips on non-finite gradients and folds unscale and clip
-into one coefficient. Nothing is read to the host.
+The parameters are never touched by construction: they stay the user's tensors, in their own memory and
+layout, and their gradients are read where backward (or a framework) put them. What the optimizer owns is
+derived from them and kept in :class:`~ampfused.optim._segment.Segment` s (one per param group and dtype):
+fp32 masters for fp16/bf16 parameters, the states in flat buffers, a step count per parameter.
+
+Segments are built at the first step (or ``load_state_dict`` / ``state_dict``), from the parameters as they
+are then: a model loaded, cast or moved to its device after the optimizer was built is what gets trained.
+Before every later step a host check compares each parameter's address and version counter with what the
+segment recorded after its own last write (no pass over the weights):
+
+* same place and layout, new version (``load_state_dict``, ``nn.init``, ``p.copy_``, ``p.mul_``) or new
+  place, same layout (``p.data = t``, ``share_memory``): the master is kept where it still rounds to every
+  value of the parameter, else rebuilt from the parameter's values (decided on the device, no host read);
+* new dtype, device, shape or strides (``model.to(...)``, ``.half()``, ``channels_last``), or a group's
+  parameter list changed: the group's segments are rebuilt and every state follows its parameter (moments
+  and step counts moved, masters kept or rebuilt by the same rule, created or dropped as the new dtype
+  needs). A change that cannot be followed (parameters now on several devices) raises first.
+
+A step is then one ``norm_check`` over every gradient that exists (K1) and one update per segment (K2)
+whose prologue reduces the partials, skips on non-finite gradients and folds unscale and clip into one
+coefficient. Parameters whose ``.grad`` is ``None`` are skipped, as ``torch.optim`` skips them. Nothing is
+read to the host.
 """
 from __future__ import annotations
 
 import math
+import operator
 import weakref
+from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import ops
-from ..flat import FlatBuffer
 from ..guard import SpikeGuard
+from ..ops.checks import same_layout
+from . import _params as P
+from ._segment import LOW_PRECISION, Segment, addresses, build_segment, layout_of, versions
 from ._state import export_state_dict, import_state_dict
 
-LOW_PRECISION = (torch.bfloat16, torch.float16)
+_is = operator.is_
+
+# parameter -> weak reference to the fused optimizer that owns it (clip_grad_norm_ folds into that one's step)
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-class _Segment:
-    def __init__(self, group_index: int, flat: FlatBuffer, master: Optional[Tensor], states: Dict[str, Tensor]):
-        self.group_index = group_index
-        self.flat = flat
-        self.master = master
-        self.states = states
-        device = flat.device
-        self.step = torch.zeros((), dtype=torch.float32, device=device)
-        self.lr = torch.zeros((), dtype=torch.float32, device=device)
-        self.lr_value: Any = None  # the Python value last written into self.lr
-
-
-def _check_params(params) -> List[dict]:
-    """Normalise ``params`` to a list of group dicts and validate every parameter before anything changes."""
-    if isinstance(params, Tensor):
-        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
-                        f"but got {torch.typename(params)}")
-    groups = list(params)
-    if not groups:
-        raise ValueError("optimizer got an empty parameter list")
-    if not isinstance(groups[0], dict):
-        groups = [{"params": groups}]
-    seen = set()
-    device = None
-    for gi, g in enumerate(groups):
-        ps = g["params"]
-        ps = [ps] if isinstance(ps, Tensor) else list(ps)
-        ps = [p[1] if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) else p for p in ps]
-        for p in ps:
-            name = f"param_groups[{gi}] parameter of shape {tuple(p.shape)}" if isinstance(p, Tensor) else ""
-            if not isinstance(p, Tensor):
-                raise TypeError(f"optimizer can only optimize Tensors, but one of the params is {torch.typename(p)}")
-            if p.is_sparse or p.layout != torch.strided:
-                raise TypeError(f"{name} is sparse ({p.layout}); fused optimizers need dense parameters")
-            if not p.is_floating_point() or p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                raise TypeError(f"{name} has dtype {p.dtype}; fused optimizers take float32, bfloat16 or float16 "
-                                "parameters")
-            if not p.is_leaf:
-                raise ValueError("can't optimize a non-leaf Tensor")
-            if id(p) in seen:
-                raise ValueError(f"{name} appears more than once in the parameters; each parameter may be "
-                                 "given once")
-            seen.add(id(p))
-            if device is None:
-                device = p.device
-            elif p.device != device:
-                raise ValueError(f"{name} is on {p.device} but other parameters are on {device}; a fused "
-                                 "optimizer takes parameters on one device")
-    return groups
-
-
-def _check_lr(lr) -> None:
-    if isinstance(lr, Tensor):
-        if lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        return
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0.0 <= lr or math.isnan(lr):
-        raise ValueError(f"Invalid learning rate: {lr}")
+def owner_of(p: Tensor):
+    """The fused optimizer holding ``p``, or None."""
+    ref = _OWNERS.get(p)
+    return ref() if ref is not None else None
 
 
 def _append_flag(partials: Tensor, flag: Tensor) -> Tensor:
     """Partials with one more column ``[0, flag]``: a flag > 0 makes the update skip."""
     return torch.cat([partials, torch.stack([torch.zeros_like(flag), flag])[:, None]], 1)
+
+
+def _on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+    return t if t is None or t.device == device else t.to(device, non_blocking=True)
+
+
+class ParamState(dict):
+    """``optimizer.state[p]``: views of the fused optimizer's buffers. Assigning a tensor to one of its keys
+    (as frameworks do when they move optimizer state between devices) copies the values into the buffer, so
+    the optimizer keeps using what was assigned."""
+
+    def __setitem__(self, key, value):
+        mine = self.get(key)
+        if isinstance(mine, Tensor) and isinstance(value, Tensor) and value is not mine:
+            if value.numel() != mine.numel():
+                raise ValueError(f"optimizer state '{key}' must keep {mine.numel()} elements, got a tensor of shape "
+                                 f"{tuple(value.shape)}")
+            with torch.no_grad():
+                mine.copy_(value.reshape(mine.shape))
+            return
+        super().__setitem__(key, value)
+
+    def _bind(self, values: Dict[str, Tensor]) -> None:
+        for k, v in values.items():
+            dict.__setitem__(self, k, v)
+
+
+class _StateMap(defaultdict):
+    """``optimizer.state``: replacing a parameter's whole state dict copies its tensors into the buffers."""
+
+    def __setitem__(self, key, value):
+        mine = self.get(key)
+        if isinstance(mine, ParamState) and isinstance(value, dict) and value is not mine:
+            for k, v in value.items():
+                mine[k] = v
+            return
+        super().__setitem__(key, value)
+
+
+class _Batch:
+    """The gradients of one step: per segment a list with ``None`` for parameters without one, and all of
+    them (what K1 reads)."""
+
+    __slots__ = ("per_segment", "active", "keys")
+
+    def __init__(self):
+        self.per_segment: List[List[Optional[Tensor]]] = []
+        self.active: List[Tensor] = []
+        self.keys: List[tuple] = []
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -94,104 +114,269 @@ class FusedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands us grad_scale / found_inf
     _ampfused_fused = True  # ampfused.GradScaler and clip_grad_norm_ use the hooks below
     state_names: tuple = ()
+    step_op: str = ""
 
     def __init__(self, params, defaults: dict, *, max_grad_norm: Optional[float], master_weights: Optional[bool],
                  backend: Optional[str], spike_guard: Optional[SpikeGuard] = None, track_nonfinite: bool = False,
                  module: Optional[torch.nn.Module] = None):
-        groups = _check_params(params)
+        groups = P.normalise_groups(params)
         if spike_guard is not None and not isinstance(spike_guard, SpikeGuard):
             raise TypeError(f"spike_guard must be an ampfused.SpikeGuard, got {type(spike_guard).__name__}")
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module (used to name parameters), got {type(module).__name__}")
-        _check_lr(defaults["lr"])
-        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-                                          or not max_grad_norm > 0 or math.isinf(max_grad_norm)):
-            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be a positive finite number or None)")
-        for g in groups:
-            if "lr" in g:
-                _check_lr(g["lr"])
-        if master_weights is False:
-            for g in groups:
-                for p in ([g["params"]] if isinstance(g["params"], Tensor) else g["params"]):
-                    p = p[1] if isinstance(p, tuple) else p
-                    if p.dtype in LOW_PRECISION:
-                        raise ValueError(f"master_weights=False with a {p.dtype} parameter of shape "
-                                         f"{tuple(p.shape)}: low-precision parameters need fp32 master weights")
+        if master_weights not in (None, True, False):
+            raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
+        P.check_max_grad_norm(max_grad_norm)
+        defaults = dict(defaults, max_grad_norm=max_grad_norm)
+        self._validate_group(defaults, "")
         if backend is not None:
             ops.registry.get_backend(backend)  # unknown names fail here, before anything changes
         self.master_weights = master_weights
+        self._check_new_groups(groups, defaults, [])
         self.backend = backend
-        self._segments: List[_Segment] = []
-        self._partials_cache = None  # (partials, grad versions) left by _ampfused_unscale_ / fold clip
-        self._pending_clip: Optional[float] = None
         self.spike_guard = spike_guard
         self.track_nonfinite = bool(track_nonfinite)
         self._module_names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
-        self._nonfinite: List[Tensor] = []  # per segment: non-finite element count of each parameter
-        self._calls = 0  # step() calls since construction or load (host counter; steps taken live on device)
-        defaults = dict(defaults, max_grad_norm=max_grad_norm)
+        self._init_internals()
         super().__init__(groups, defaults)
-        dev = self._segments[0].flat.device if self._segments else torch.device("cpu")
-        self._stats = torch.zeros(2, dtype=torch.float32, device=dev)  # [norm, found_inf] of the last step
-        self._one = torch.ones((), dtype=torch.float32, device=dev)
-        self._overflow = torch.zeros((), dtype=torch.float32, device=dev)  # found_inf alone, when a guard runs
-        self._steps_at_load = torch.zeros((), dtype=torch.float32, device=dev)
-        self._spikes_at_load = 0.0  # spike-guard count when stats() started counting
+        self.state = _StateMap(dict)
+        first = groups[0]["params"][0] if groups[0]["params"] else None
+        first = first[1] if isinstance(first, tuple) else first
+        self._make_device_tensors(first.device if isinstance(first, Tensor) else torch.device("cpu"))
+
+    def _init_internals(self) -> None:
+        self._segments: List[Segment] = []
+        self._packed_groups: List[Optional[List[Tensor]]] = []  # per group: its params as last packed
+        self._partials_cache = None  # (grad keys, partials) left by _ampfused_unscale_ / fold clip
+        self._pending_clip: Optional[float] = None
+        self._nonfinite: List[Tensor] = []
+        self._calls = 0  # step() calls that had gradients, since construction or load
+
+    def _make_device_tensors(self, device: torch.device, old: Optional[dict] = None) -> None:
+        """The small per-optimizer device tensors, on the parameters' device (moved along when it changes)."""
+        f32 = dict(dtype=torch.float32, device=device)
+        self._stats = torch.zeros(2, **f32)  # [norm, found_inf] of the last step
+        self._one = torch.ones((), **f32)
+        self._overflow = torch.zeros((), **f32)  # found_inf alone, when a guard runs
+        self._steps_at_load = torch.zeros((), **f32)
+        self._spikes_at_load = 0.0
+        if old:
+            for name, t in old.items():
+                getattr(self, name).copy_(t)
+        self._device = device
 
     # --- construction -------------------------------------------------------------------------------------
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        gi = len(self.param_groups) - 1
-        group = self.param_groups[gi]
-        self._validate_group(group)
-        by_dtype: Dict[torch.dtype, List[Tensor]] = {}
-        for p in group["params"]:
-            if p.numel():
-                by_dtype.setdefault(p.dtype, []).append(p)
-        for dtype, ps in by_dtype.items():
-            flat = FlatBuffer(ps)
-            use_master = self.master_weights if self.master_weights is not None else dtype in LOW_PRECISION
-            master = flat.data.to(torch.float32, copy=True) if use_master else None
-            cd_like = master if master is not None else flat.data
-            states = {name: torch.zeros_like(cd_like) for name in self.state_names}
-            seg = _Segment(gi, flat, master, states)
-            ends = flat.offsets[1:] + [flat.numel]
-            seg.lengths = torch.tensor([e - o for o, e in zip(flat.offsets, ends)], device=flat.device)
-            self._segments.append(seg)
-            owner = weakref.ref(self)
-            for p, *views in zip(ps, *(flat.views(t) for t in states.values()),
-                                 *([flat.views(master)] if master is not None else [])):
-                p._ampfused_owner = owner
-                st = dict(zip(self.state_names, views[:len(self.state_names)]))
-                if master is not None:
-                    st["master_param"] = views[-1]
-                st["step"] = seg.step
-                self.state[p] = st
+    def _check_new_groups(self, groups: List[dict], defaults: dict, existing: List[dict]) -> None:
+        """Every rule for groups about to be added, checked before any of them is."""
+        seen = {id(p) for g in existing for p in g["params"]}
+        for gi, g in enumerate(groups, start=len(existing)):
+            for k, p in enumerate(g["params"]):
+                P.check_param(gi, k, p)
+                p = p[1] if isinstance(p, tuple) else p
+                if id(p) in seen:
+                    raise ValueError("some parameters appear in more than one parameter group"
+                                     if any(p is q for e in existing for q in e["params"]) else
+                                     f"param_groups[{gi}]['params'][{k}] (shape {tuple(p.shape)}) appears more "
+                                     "than once in the parameters; each parameter may be given once")
+                seen.add(id(p))
+                if self.master_weights is False and p.dtype in LOW_PRECISION:
+                    raise ValueError(f"master_weights=False with a {p.dtype} parameter of shape {tuple(p.shape)}: "
+                                     "low-precision parameters need fp32 master weights")
+            merged = dict(defaults, **{k: v for k, v in g.items() if k != "params"})
+            self._validate_group(merged, f" in param_groups[{gi}]")
+            P.check_lr(merged["lr"], f" in param_groups[{gi}]")
 
-    def _validate_group(self, group: dict) -> None:  # subclasses check their hyperparameters
-        _check_lr(group["lr"])
+    def add_param_group(self, param_group: dict) -> None:
+        group = P.normalise_group(param_group)
+        if getattr(self, "_segments", None) is not None and hasattr(self, "defaults"):
+            self._check_new_groups([group], self.defaults, self.param_groups)
+        super().add_param_group(group)
+        owner = weakref.ref(self)
+        for p in self.param_groups[-1]["params"]:
+            _OWNERS[p] = owner
+        self._packed_groups.append(None)
+
+    def _validate_group(self, group: dict, where: str) -> None:  # subclasses check their hyperparameters
+        P.check_step_lr(group["lr"], where)
+        P.check_max_grad_norm(group.get("max_grad_norm"), where)
+
+    # --- following the user's tensors ---------------------------------------------------------------------
+    def _use_master(self, dtype: torch.dtype) -> bool:
+        return self.master_weights if self.master_weights is not None else dtype in LOW_PRECISION
+
+    def _follow_parameters(self) -> None:
+        """Bring the segments in line with the parameters as they are now (see the module docstring)."""
+        groups = self.param_groups
+        if len(self._packed_groups) < len(groups):
+            self._packed_groups += [None] * (len(groups) - len(self._packed_groups))
+        if torch.compiler.is_compiling():
+            # addresses and version counters cannot be traced: a compiled step runs with the segments built
+            # by the last eager call (its guards recompile when parameters change dtype or device)
+            if any(packed is None for packed in self._packed_groups):
+                raise RuntimeError(f"{type(self).__name__}.step() is being compiled before the optimizer has seen "
+                                   "its parameters: run one eager step() (or call state_dict()) first, then "
+                                   "compile step()")
+            return
+        repack = set()
+        for gi, group in enumerate(groups):
+            packed = self._packed_groups[gi]
+            ps = group["params"]
+            if packed is None or len(ps) != len(packed) or not all(map(_is, ps, packed)):
+                repack.add(gi)
+        rewritten = []
+        for seg in self._segments:
+            if seg.group_index in repack:
+                continue
+            ptrs, vers = addresses(seg.params), versions(seg.params)
+            if ptrs == seg.ptrs and vers == seg.vers:
+                continue
+            for i, p in enumerate(seg.params):
+                if ptrs[i] == seg.ptrs[i] and vers[i] == seg.vers[i]:
+                    continue
+                if ptrs[i] != seg.ptrs[i] and layout_of(p) != seg.layouts[i]:
+                    repack.add(seg.group_index)
+                    break
+                rewritten.append((seg, i))
+        if repack:
+            self._repack(repack)
+        for seg, i in rewritten:
+            if seg.group_index not in repack:
+                seg.follow_values(i)
+        for seg in {id(s): s for s, _ in rewritten}.values():
+            if seg.group_index not in repack:
+                seg.remember()
+
+    def _repack(self, groups_to_pack: set) -> None:
+        """Rebuild the segments of these groups from their parameters as they are now, carrying state."""
+        everything = [(gi, k, p) for gi, g in enumerate(self.param_groups) for k, p in enumerate(g["params"])]
+        devices = {}
+        seen = set()
+        for gi, k, p in everything:
+            if gi in groups_to_pack:
+                P.check_param(gi, k, p)
+                if id(p) in seen:
+                    raise ValueError("some parameters appear in more than one parameter group")
+                if self.master_weights is False and p.dtype in LOW_PRECISION:
+                    raise ValueError(f"master_weights=False with a {p.dtype} parameter "
+                                     f"param_groups[{gi}]['params'][{k}] (shape {tuple(p.shape)}): low-precision "
+                                     "parameters need fp32 master weights")
+            seen.add(id(p))
+            devices.setdefault(p.device, (gi, k, p))
+        if len(devices) > 1:
+            where = "; ".join(f"param_groups[{gi}]['params'][{k}] (shape {tuple(p.shape)}) is on {d}"
+                              for d, (gi, k, p) in devices.items())
+            raise ValueError(f"a fused optimizer's parameters must all be on one device, but {where}. Move the whole "
+                             "model (or every parameter given to this optimizer) to one device.")
+        previous = {id(p): (seg, i) for seg in self._segments for i, p in enumerate(seg.params)}
+        segments: List[Segment] = []
+        for gi, group in enumerate(self.param_groups):
+            if gi not in groups_to_pack:
+                segments += [s for s in self._segments if s.group_index == gi]
+                continue
+            by_dtype: Dict[torch.dtype, List[Tensor]] = {}
+            for p in group["params"]:
+                by_dtype.setdefault(p.dtype, []).append(p)
+            for dtype, ps in by_dtype.items():
+                segments.append(build_segment(gi, ps, self._use_master(dtype), self.state_names, previous))
+            self._packed_groups[gi] = list(group["params"])
+        kept = {id(p) for s in segments for p in s.params}
+        for seg in self._segments:
+            for p in seg.params:
+                if id(p) not in kept:
+                    self.state.pop(p, None)
+        self._segments = segments
+        self._partials_cache = None
+        if devices:
+            device = next(iter(devices))
+            if device != self._device:
+                self._make_device_tensors(device, {n: getattr(self, n) for n in
+                                                   ("_stats", "_overflow", "_steps_at_load")})
+        self._bind_state()
+
+    def _bind_state(self) -> None:
+        """``self.state[p]``: views of the segments' buffers for every parameter that has state."""
+        for seg in self._segments:
+            for i, p in enumerate(seg.params):
+                if seg.has_state[i]:
+                    self._bind_one(seg, i)
+
+    def _bind_one(self, seg: Segment, i: int) -> None:
+        p = seg.params[i]
+        values = {name: seg.view(flat, i) for name, flat in seg.states.items()}
+        if seg.master is not None:
+            values["master_param"] = seg.view(seg.master, i)
+        values["step"] = seg.steps[i]
+        st = dict.get(self.state, p)
+        if not isinstance(st, ParamState):
+            st = ParamState()
+            dict.__setitem__(self.state, p, st)
+        for stale in [k for k in st if k not in values and k in ("master_param",) + self.state_names]:
+            dict.__delitem__(st, stale)
+        st._bind(values)
+
+    def _ensure_packed(self) -> None:
+        self._follow_parameters()
+
+    def _ampfused_device(self) -> torch.device:
+        """The device the optimizer's parameters (and so its gradients) are on now."""
+        self._follow_parameters()
+        return self._device
+
+    # --- gradients ----------------------------------------------------------------------------------------
+    def _grad_name(self, seg: Segment, i: int) -> str:
+        gi = seg.group_index
+        p = seg.params[i]
+        k = next(j for j, q in enumerate(self.param_groups[gi]["params"]) if q is p)
+        return self._param_name(gi, p, k)
+
+    def _collect(self) -> _Batch:
+        """Every segment's gradients as the kernels read them, checked (sparse, dtype, device, layout)."""
+        batch = _Batch()
+        compiling = torch.compiler.is_compiling()
+        for seg in self._segments:
+            grads = [p.grad for p in seg.params]
+            dtype = seg.dtype
+            for i, g in enumerate(grads):
+                if g is None:
+                    continue
+                if g.layout is not torch.strided:
+                    raise RuntimeError(f"parameter {self._grad_name(seg, i)} has a sparse gradient ({g.layout}): "
+                                       "fused optimizers do not take sparse gradients. Use a dense layer (for "
+                                       "example nn.Embedding(sparse=False)) or give this parameter to "
+                                       "torch.optim.SparseAdam.")
+                if g.dtype is not dtype or g.device != seg.device:
+                    raise RuntimeError(f"parameter {self._grad_name(seg, i)} is {dtype} on {seg.device} but its "
+                                       f"gradient is {g.dtype} on {g.device}")
+                p = seg.params[i]
+                if not (g.is_contiguous() and p.is_contiguous()) and not same_layout(p, g):
+                    # laid out unlike its parameter (assigned by hand): read a copy in the parameter's layout
+                    grads[i] = torch.empty_like(p).copy_(g)
+                batch.active.append(grads[i])
+                if not compiling:
+                    batch.keys.append((grads[i], grads[i]._version))
+            batch.per_segment.append(grads)
+        return batch
+
+    @staticmethod
+    def _same_grads(keys: List[tuple], batch: _Batch) -> bool:
+        return len(keys) == len(batch.keys) and all(a[0] is b[0] and a[1] == b[1] for a, b in zip(keys, batch.keys))
 
     # --- the step -----------------------------------------------------------------------------------------
-    def _grad_buffers(self) -> List[Tensor]:
-        return [s.flat.grad for s in self._segments]
-
-    def _versions(self) -> tuple:
-        return tuple(g._version for g in self._grad_buffers())
-
-    def _sync_grads(self) -> None:
-        for s in self._segments:
-            s.flat.sync_grads()
-
-    def _lr_tensor(self, seg: _Segment) -> Tensor:
+    def _lr_tensor(self, seg: Segment) -> Tensor:
         lr = self.param_groups[seg.group_index]["lr"]
         if isinstance(lr, Tensor):
-            if lr.device == seg.lr.device and lr.dtype == torch.float32 and lr.dim() == 0:
+            if lr.device == seg.device and lr.dtype == torch.float32 and lr.dim() == 0:
                 return lr
             seg.lr.copy_(lr.reshape(()))
         elif lr != seg.lr_value:  # only when the value changed: no work per step for a constant lr
             seg.lr.fill_(lr)
             seg.lr_value = lr
         return seg.lr
+
+    def _check_hyperparameters(self) -> None:
+        """Hyperparameters as they are now in ``param_groups`` (schedulers and users change them)."""
+        for gi, group in enumerate(self.param_groups):
+            self._validate_group(group, f" in param_groups[{gi}]")
 
     @staticmethod
     def _check_divisor(grad_divisor) -> None:
@@ -215,39 +400,44 @@ class FusedOptimizer(torch.optim.Optimizer):
             return inv_scale / grad_divisor.to(device=inv_scale.device, dtype=torch.float32).reshape(())
         return inv_scale / float(grad_divisor)
 
-    def _partials_and_inv_scale(self, grad_divisor=None):
+    def _partials_and_inv_scale(self, batch: _Batch, grad_divisor=None):
         """Partials of the step's gradients and the coefficient that unscales them, all on the device."""
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
+        grad_scale = _on(getattr(self, "grad_scale", None), self._device)
+        found_inf = _on(getattr(self, "found_inf", None), self._device)
         cache, self._partials_cache = self._partials_cache, None
-        if cache is not None and grad_scale is None and cache[1] == self._versions():
-            partials, inv_scale = cache[0], self._one  # gradients were unscaled (and measured) already
+        if cache is not None and grad_scale is None and self._same_grads(cache[0], batch):
+            partials, inv_scale = cache[1], self._one  # gradients were unscaled (and measured) already
         else:
             if grad_scale is not None:
                 inv_scale = grad_scale.double().reciprocal().float()  # as torch's unscale_ forms it
             else:
                 inv_scale = self._one
             inv_scale = self._divide(inv_scale, grad_divisor)
-            partials = ops.norm_check(self._grad_buffers(), inv_scale, backend=self.backend)
+            partials = ops.norm_check(batch.active, inv_scale, backend=self.backend)
         if found_inf is not None:  # e.g. all-reduced across ranks by the training script
             partials = _append_flag(partials, found_inf.float())
         return partials, inv_scale
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_divisor=None, loss: Optional[Tensor] = None):
-        """One fused step. ``grad_divisor`` (number or device tensor) divides the gradients exactly, folded
-        into the unscale coefficient, so the norm, clip and inf check see the normalised gradients. ``loss``
-        (a device tensor, never read) feeds the spike guard's loss rule."""
+        """One fused step over every parameter that has a gradient. ``grad_divisor`` (number or device
+        tensor) divides the gradients exactly, folded into the unscale coefficient, so the norm, clip and inf
+        check see the normalised gradients. ``loss`` (a device tensor, never read) feeds the spike guard's
+        loss rule."""
         self._check_divisor(grad_divisor)  # before anything changes
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._segments:
+        self._follow_parameters()
+        self._check_hyperparameters()
+        batch = self._collect()
+        if not batch.active:  # no gradient at all: torch.optim does nothing either
+            self._pending_clip = None
+            self._partials_cache = None
             return loss
-        self._sync_grads()
-        partials, inv_scale = self._partials_and_inv_scale(grad_divisor)
+        partials, inv_scale = self._partials_and_inv_scale(batch, grad_divisor)
         if self.track_nonfinite:
-            self._count_nonfinite()
+            self._count_nonfinite(batch)
         lr_mult = None
         guard = self.spike_guard
         if guard is not None:
@@ -259,22 +449,33 @@ class FusedOptimizer(torch.optim.Optimizer):
             else:
                 lr_mult = torch.where(spike, guard.lr_factor, 1.0).float()
         pending, self._pending_clip = self._pending_clip, None
-        for seg in self._segments:
+        for seg, grads in zip(self._segments, batch.per_segment):
+            if all(g is None for g in grads):
+                continue
             group = self.param_groups[seg.group_index]
             max_norm = group["max_grad_norm"]
             max_norm = math.inf if max_norm is None else float(max_norm)
             if pending is not None:
                 max_norm = min(max_norm, pending)
             lr = self._lr_tensor(seg)
-            self._update(seg, group, partials, inv_scale, lr if lr_mult is None else lr * lr_mult, max_norm)
+            self._update(seg, grads, group, partials, inv_scale, lr if lr_mult is None else lr * lr_mult, max_norm)
+            if not torch.compiler.is_compiling():
+                seg.vers = versions(seg.params)
+            for i, g in enumerate(grads):
+                if g is not None and not seg.has_state[i]:
+                    seg.has_state[i] = True
+                    self._bind_one(seg, i)
         if guard is not None:
             guard.record_(norm, loss if isinstance(loss, Tensor) else None, spike, overflow > 0)
         self._calls += 1
         return loss
 
-    def _update(self, seg: _Segment, group: dict, partials: Tensor, inv_scale: Tensor, lr: Tensor,
-                max_norm: float) -> None:
+    def _update(self, seg: Segment, grads: List[Optional[Tensor]], group: dict, partials: Tensor,
+                inv_scale: Tensor, lr: Tensor, max_norm: float) -> None:
         raise NotImplementedError
+
+    def _backend_name(self, seg: Segment, grads: List[Optional[Tensor]]) -> str:
+        return ops.step_backend(seg.device, ops._step_dtypes(seg.params, grads, seg.master), self.backend)
 
     @property
     def last_grad_norm(self) -> Tensor:
@@ -287,10 +488,19 @@ class FusedOptimizer(torch.optim.Optimizer):
         a spike-guard skip is not an overflow)."""
         return self._overflow if self.spike_guard is not None else self._stats[1]
 
+    @property
+    def last_step_skipped(self) -> Tensor:
+        """0-d bool device tensor: whether the last step changed nothing."""
+        return self._stats[1] > 0
+
+    def _steps_taken_now(self) -> Tensor:
+        counts = [s.steps.max() for s in self._segments if len(s)]
+        return torch.stack(counts).max() if counts else self._one * 0
+
     def stats(self) -> Dict[str, Tensor]:
         """Counters as device tensors, to log every N steps without a sync per step (since construction or
-        the last load_state_dict)."""
-        taken = self._segments[0].step - self._steps_at_load if self._segments else self._one * 0
+        the last load_state_dict). ``steps`` counts the updates applied (to the most-updated parameter)."""
+        taken = self._steps_taken_now().to(self._device) - self._steps_at_load
         spikes = self.spike_guard.spikes.float() - self._spikes_at_load if self.spike_guard is not None and \
             self.spike_guard._device is not None else torch.zeros_like(taken)
         skipped_spike = spikes if self.spike_guard is not None and self.spike_guard.action == "skip" else \
@@ -302,14 +512,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         names = self.param_groups[gi].get("param_names")
         if names is not None:
             return names[index]
-        return self._module_names.get(id(p), f"param_groups[{gi}][{index}] {tuple(p.shape)}")
+        return self._module_names.get(id(p), f"param_groups[{gi}]['params'][{index}] (shape {tuple(p.shape)})")
 
-    def _count_nonfinite(self) -> None:
+    def _count_nonfinite(self, batch: _Batch) -> None:
         """Per-parameter count of non-finite gradient elements (one extra read of the gradients; opt-in)."""
         self._nonfinite = []
-        for seg in self._segments:
-            bad = (~torch.isfinite(seg.flat.grad)).float()
-            self._nonfinite.append(torch.segment_reduce(bad, "sum", lengths=seg.lengths))
+        for seg, grads in zip(self._segments, batch.per_segment):
+            counts = [(~torch.isfinite(g)).sum() if g is not None else None for g in grads]
+            self._nonfinite.append(counts)
 
     def nonfinite_report(self) -> Dict[str, int]:
         """Which parameters held infs or NaNs in the last step, and how many: ``{name: count}`` (reads to the
@@ -319,46 +529,49 @@ class FusedOptimizer(torch.optim.Optimizer):
         report: Dict[str, int] = {}
         for seg, counts in zip(self._segments, self._nonfinite):
             group = self.param_groups[seg.group_index]
-            for k, (p, c) in enumerate(zip(seg.flat.params, counts.tolist())):
-                if c:
-                    idx = [i for i, q in enumerate(group["params"]) if q is p][0]
+            for p, c in zip(seg.params, counts):
+                if c is not None and int(c):
+                    idx = next(i for i, q in enumerate(group["params"]) if q is p)
                     report[self._param_name(seg.group_index, p, idx)] = int(c)
         return report
 
-    @property
-    def last_step_skipped(self) -> Tensor:
-        """0-d bool device tensor: whether the last step changed nothing."""
-        return self._stats[1] > 0
-
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat gradient buffers in place (one fill each). ``set_to_none`` is accepted for
-        compatibility; the gradients stay views into the flat buffer so backward writes straight into it."""
-        for s in self._segments:
-            s.flat.zero_grad()
+        """As ``torch.optim.Optimizer.zero_grad``: gradients set to ``None`` (the default) or zeroed in place.
+        Either way the next step reads whatever gradients backward produces, where it puts them."""
+        self._partials_cache = None
+        super().zero_grad(set_to_none)
 
     # --- hooks used by ampfused.GradScaler and ampfused.clip_grad_norm_ ------------------------------------
     @torch.no_grad()
     def _ampfused_unscale_(self, inv_scale: Tensor, grad_divisor=None) -> Tensor:
-        """Unscale the flat gradient buffers in place (one pass), remember their norm, return found_inf."""
+        """Unscale the gradients in place (one pass), remember their norm, return found_inf."""
         self._check_divisor(grad_divisor)
-        self._sync_grads()
-        inv_scale = self._divide(inv_scale, grad_divisor)
-        partials = ops.unscale_(self._grad_buffers(), inv_scale, backend=self.backend)
-        self._partials_cache = (partials, self._versions())
+        self._follow_parameters()
+        batch = self._collect()
+        inv_scale = self._divide(_on(inv_scale, self._device), grad_divisor)
+        if not batch.active:
+            self._partials_cache = None
+            return self._one * 0
+        partials = ops.unscale_(batch.active, inv_scale, backend=self.backend)
+        self._partials_cache = ([(g, g._version) for g in batch.active], partials)
         return ops.reduce_partials(partials)[1]
 
     @torch.no_grad()
     def _ampfused_fold_clip_(self, max_norm: float, norm_type: float = 2.0,
                              error_if_nonfinite: bool = False) -> Optional[Tensor]:
         """Fold ``clip_grad_norm_(params, max_norm)`` into the next step; returns the total norm."""
-        if float(norm_type) != 2.0 or not self._segments:
+        if float(norm_type) != 2.0:
             return None
-        self._sync_grads()
+        self._follow_parameters()
+        batch = self._collect()
+        if not batch.active:
+            return None
         cache = self._partials_cache
-        if cache is None or cache[1] != self._versions():
-            cache = (ops.norm_check(self._grad_buffers(), self._one, backend=self.backend), self._versions())
+        if cache is None or not self._same_grads(cache[0], batch):
+            cache = ([(g, g._version) for g in batch.active],
+                     ops.norm_check(batch.active, self._one, backend=self.backend))
             self._partials_cache = cache
-        norm = ops.reduce_partials(cache[0])[0]
+        norm = ops.reduce_partials(cache[1])[0]
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
             raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
                                "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
@@ -368,22 +581,33 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # --- state dicts (torch.optim layout; see _state.py) ---------------------------------------------------
     def state_dict(self) -> dict:
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        self._follow_parameters()
         sd = export_state_dict(self)
         if self.spike_guard is not None:  # an extra key: torch's optimizers ignore it on load
             sd["spike_guard"] = self.spike_guard.state_dict()
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            out = hook(self, sd)
+            sd = out if out is not None else sd
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = hook(self, state_dict)
+            state_dict = out if out is not None else state_dict
+        self._follow_parameters()
         import_state_dict(self, state_dict)
-        if self._segments:
-            self._steps_at_load.copy_(self._segments[0].step)
-            if self.spike_guard is not None:
-                self.spike_guard.load_state_dict(state_dict.get("spike_guard", {}), self._segments[0].flat.device)
-                self._spikes_at_load = float(self.spike_guard.spikes) if self.spike_guard._device is not None else 0.0
+        self._steps_at_load.copy_(self._steps_taken_now())
+        if self.spike_guard is not None:
+            self.spike_guard.load_state_dict(state_dict.get("spike_guard", {}), self._device)
+            self._spikes_at_load = float(self.spike_guard.spikes) if self.spike_guard._device is not None else 0.0
         self._calls = 0
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     def _export_param_state(self, st: dict, step: float) -> dict:
-        out = dict(st)
+        out = {k: v for k, v in st.items() if k != "step"}
         out["step"] = torch.tensor(step, dtype=torch.float32)
         return out
 
@@ -393,3 +617,27 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _state_keys_for_load(self, saved: dict):
         return self.state_names
+
+    # --- copies and pickles -------------------------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict) -> None:
+        if "_segments" not in state:  # pickled by an older ampfused or by torch.optim.Optimizer.__getstate__
+            self.__dict__.update(state)
+            self._init_internals()
+            self._make_device_tensors(torch.device("cpu"))
+            self.__dict__.setdefault("master_weights", None)
+            self.__dict__.setdefault("backend", None)
+            self.__dict__.setdefault("spike_guard", None)
+            self.__dict__.setdefault("track_nonfinite", False)
+            self.__dict__.setdefault("_module_names", {})
+            self._packed_groups = [None] * len(self.param_groups)
+        else:
+            self.__dict__.update(state)
+        super().__setstate__(dict(self.__dict__))
+        owner = weakref.ref(self)
+        for g in self.param_groups:
+            for p in g["params"]:
+                _OWNERS[p] = owner
+

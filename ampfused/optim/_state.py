@@ -1,8 +1,9 @@
 """State dicts of the fused optimizers in torch.optim's layout, so checkpoints move both ways.
 
-``state[i]`` holds, per parameter, the optimizer's state tensors shaped like the parameter (fp32), a
-``master_param`` where master weights exist and a CPU ``step`` tensor, as torch's optimizers do. Loading
-validates everything first and changes nothing unless all of it fits.
+``state[i]`` holds, for each parameter that has state, the optimizer's state tensors shaped (and strided)
+like the parameter (fp32), a ``master_param`` where master weights exist and a CPU ``step`` tensor, as
+torch's optimizers do. Loading validates everything first, builds the new buffers aside and swaps them in
+only when all of it fits: a state dict that does not fit leaves the optimizer exactly as it was.
 """
 from __future__ import annotations
 
@@ -11,26 +12,59 @@ from typing import Dict, List
 import torch
 from torch import Tensor
 
+from . import _params as P
+
+
+def _packed_groups(opt) -> tuple:
+    """torch.optim's ``param_groups`` export (parameters as indices) and ``id(param) -> index``."""
+    index: Dict[int, int] = {}
+    groups = []
+    start = 0
+    for g in opt.param_groups:
+        packed = {k: v for k, v in g.items() if k != "params"}
+        index.update({id(p): i for i, p in enumerate(g["params"], start) if id(p) not in index})
+        packed["params"] = [index[id(p)] for p in g["params"]]
+        start += len(packed["params"])
+        groups.append(packed)
+    return groups, index
+
 
 def export_state_dict(opt) -> dict:
     """``opt.state_dict()``: torch's layout, state tensors as views of the live buffers (as torch does)."""
-    sd = torch.optim.Optimizer.state_dict(opt)
-    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    groups, index = _packed_groups(opt)
     state: Dict[int, dict] = {}
     for seg in opt._segments:
-        step = float(seg.step.item())  # one read per segment, at checkpoint time only
-        for p in seg.flat.params:
-            st = {k: v for k, v in opt.state[p].items() if k != "step"}
-            state[index[id(p)]] = opt._export_param_state(st, step)
-    sd["state"] = state
-    return sd
+        if not any(seg.has_state):
+            continue
+        steps = seg.steps.tolist()  # one read per segment, at checkpoint time only
+        for i, p in enumerate(seg.params):
+            if seg.has_state[i]:
+                st = {name: seg.view(flat, i) for name, flat in seg.states.items()}
+                if seg.master is not None:
+                    st["master_param"] = seg.view(seg.master, i)
+                state[index[id(p)]] = opt._export_param_state(st, steps[i])
+    return {"state": state, "param_groups": groups}
 
 
 def _saved_step(opt, saved: dict, where: str) -> float:
     try:
         return opt._import_step(saved)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"loaded optimizer state of {where} has no usable step ({e})") from None
+
+
+def _check_value(key: str, v, p: Tensor, where: str) -> None:
+    if not isinstance(v, Tensor):
+        raise ValueError(f"loaded state '{key}' of {where} must be a tensor, got {type(v).__name__}")
+    if v.numel() != p.numel():
+        raise ValueError(f"loaded state '{key}' of {where} must have {p.numel()} elements like the parameter "
+                         f"(shape {tuple(p.shape)}), got shape {tuple(v.shape)}")
+    if not v.is_floating_point():
+        raise ValueError(f"loaded state '{key}' of {where} has dtype {v.dtype}; optimizer states are floating point")
+    if v.is_meta:
+        raise ValueError(f"loaded state '{key}' of {where} is a meta tensor (it holds no values)")
+    if v.layout != torch.strided:
+        raise ValueError(f"loaded state '{key}' of {where} has layout {v.layout}; optimizer states are dense")
 
 
 def import_state_dict(opt, state_dict: dict) -> None:
@@ -43,53 +77,65 @@ def import_state_dict(opt, state_dict: dict) -> None:
     if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
         raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
                          "optimizer's group")
-    by_id = {sid: p for g, s in zip(groups, saved_groups) for sid, p in zip(s["params"], g["params"])}
     saved_state = state_dict["state"]
+    if not isinstance(saved_state, dict):
+        raise ValueError("optimizer state_dict['state'] must be a dict from parameter index to its state")
+    sid_of = {id(p): sid for g, s in zip(groups, saved_groups) for sid, p in zip(s["params"], g["params"])}
 
     # Validate everything before changing anything.
     new_groups: List[dict] = []
-    for g, s in zip(groups, saved_groups):
+    for gi, (g, s) in enumerate(zip(groups, saved_groups)):
         ng = dict(g)
         ng.update({k: v for k, v in s.items() if k != "params"})
-        opt._validate_group(ng)
+        where = f" in loaded param_groups[{gi}]"
+        opt._validate_group(ng, where)
+        P.check_lr(ng["lr"], where)
         new_groups.append(ng)
     plans = []
     for seg in opt._segments:
-        sid_of = {id(p): sid for sid, p in by_id.items()}
-        entries = [(p, saved_state.get(sid_of[id(p)])) for p in seg.flat.params]
-        have = [(p, e) for p, e in entries if e]
-        if have and len(have) != len(entries):
-            raise ValueError("loaded state dict has state for only some parameters of a group; fused optimizers "
-                             "keep one step count per parameter group")
-        steps = {_saved_step(opt, e, f"parameter {sid_of[id(p)]}") for p, e in have}
-        if len(steps) > 1:
-            raise ValueError(f"loaded state dict has different step counts {sorted(steps)} within one parameter "
-                             "group; fused optimizers keep one step count per parameter group")
-        for p, e in have:
-            for key in list(opt._state_keys_for_load(e)) + (["master_param"] if "master_param" in e else []):
-                v = e[key]
-                if not isinstance(v, Tensor) or v.numel() != p.numel():
-                    raise ValueError(f"loaded state '{key}' of parameter {sid_of[id(p)]} must be a tensor with "
-                                     f"{p.numel()} elements like the parameter, got "
-                                     f"{tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__}")
-                if not v.is_floating_point():
-                    raise ValueError(f"loaded state '{key}' of parameter {sid_of[id(p)]} has dtype {v.dtype}")
-        plans.append((seg, have, steps.pop() if steps else 0.0))
+        entries = []
+        for i, p in enumerate(seg.params):
+            e = saved_state.get(sid_of[id(p)])
+            if not e:
+                entries.append(None)
+                continue
+            where = f"parameter {sid_of[id(p)]}"
+            if not isinstance(e, dict):
+                raise ValueError(f"loaded state of {where} must be a dict, got {type(e).__name__}")
+            keys = list(opt._state_keys_for_load(e))
+            missing = [k for k in keys if k not in e]
+            if missing:
+                raise ValueError(f"loaded state of {where} lacks {missing}")
+            for key in keys + (["master_param"] if "master_param" in e else []):
+                _check_value(key, e[key], p, where)
+            entries.append((e, keys, _saved_step(opt, e, where)))
+        plans.append((seg, entries))
 
+    # Build the new buffers aside; swap them in only once all of them are complete.
+    built = []
     with torch.no_grad():
-        for seg, have, step in plans:
-            for buf in seg.states.values():
-                buf.zero_()
-            for p, e in have:
-                st = opt.state[p]
-                for key in opt._state_keys_for_load(e):
-                    st[key].copy_(e[key].reshape(st[key].shape))
-                if seg.master is not None:
-                    src = e.get("master_param", p.detach())
-                    st["master_param"].copy_(src.reshape(p.shape))
-            if not have and seg.master is not None:
-                seg.master.copy_(seg.flat.data)  # no saved state: masters follow the (re)loaded model weights
-            seg.step.fill_(step)
-            seg.lr_value = None
+        for seg, entries in plans:
+            states = {name: torch.zeros_like(flat) for name, flat in seg.states.items()}
+            master = torch.zeros_like(seg.master) if seg.master is not None else None
+            steps = [0.0] * len(seg.params)
+            for i, (p, entry) in enumerate(zip(seg.params, entries)):
+                if entry is not None:
+                    e, keys, steps[i] = entry
+                    for key in keys:
+                        seg.view(states[key], i).copy_(e[key].reshape(p.shape))
+                if master is not None:
+                    src = entry[0].get("master_param") if entry is not None else None
+                    seg.view(master, i).copy_(src.reshape(p.shape) if src is not None else p.detach())
+            built.append((seg, states, master, torch.tensor(steps, dtype=torch.float32).to(seg.device),
+                          [entry is not None for entry in entries]))
+    for seg, states, master, steps, has_state in built:
+        seg.states, seg.master, seg.steps, seg.has_state = states, master, steps, has_state
+        seg.lr_value = None
+        seg.forget()  # the next step compares every parameter with its (loaded) master
+        for i, p in enumerate(seg.params):
+            if not has_state[i]:
+                opt.state.pop(p, None)
     for g, ng in zip(groups, new_groups):
         g.update(ng)
+    opt._partials_cache = None
+    opt._bind_state()

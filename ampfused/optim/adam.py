@@ -4,65 +4,80 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import ops
-from ._base import FusedOptimizer, _check_lr
+from . import _params as P
+from ._base import FusedOptimizer
 
 
 class _FusedAdamBase(FusedOptimizer):
     state_names = ("exp_avg", "exp_avg_sq")
     decoupled = False
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, maximize=False,
-                 max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
-                 backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None):
-        self._check_hyper(lr, betas, eps, weight_decay)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize)
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 maximize=False, max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
+                 backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None,
+                 foreach=None, fused=None, capturable=False, differentiable=False):
+        _check_unsupported(type(self).__name__, amsgrad, differentiable)
+        P.check_lr(lr)
+        P.check_eps(eps)
+        P.check_betas(betas)
+        P.check_weight_decay(weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=bool(maximize),
+                        amsgrad=False)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
                          backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
 
-    @staticmethod
-    def _check_hyper(lr, betas, eps, weight_decay) -> None:
-        _check_lr(lr)
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if len(betas) != 2:
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        for i, b in enumerate(betas):
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {b}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    def _validate_group(self, group: dict, where: str) -> None:
+        super()._validate_group(group, where)
+        P.check_betas(group["betas"], where)
+        P.check_eps(group["eps"], where)
+        P.check_weight_decay(group["weight_decay"], where)
+        if group.get("amsgrad", False):
+            raise ValueError(f"amsgrad=True{where}: {type(self).__name__} does not implement AMSGrad (it keeps no "
+                             "max_exp_avg_sq); use torch.optim.AdamW(amsgrad=True) for it")
 
-    def _validate_group(self, group: dict) -> None:
-        self._check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-
-    def _update(self, seg, group, partials, inv_scale, lr, max_norm) -> None:
+    def _update(self, seg, grads, group, partials, inv_scale, lr, max_norm) -> None:
         beta1, beta2 = group["betas"]
-        ops.adam_step_(seg.flat.data, seg.flat.grad, seg.master, seg.states["exp_avg"], seg.states["exp_avg_sq"],
-                       seg.step, partials, inv_scale, lr, self._stats, beta1=float(beta1), beta2=float(beta2),
-                       eps=float(group["eps"]), weight_decay=float(group["weight_decay"]), max_norm=max_norm,
-                       decoupled=self.decoupled, maximize=bool(group["maximize"]), backend=self.backend)
+        ops.call_step_("adam_step_", seg.params, grads, seg.master, seg.states["exp_avg"], seg.states["exp_avg_sq"],
+                       seg.steps, partials, inv_scale, lr, self._stats, float(beta1), float(beta2),
+                       float(group["eps"]), float(group["weight_decay"]), max_norm, self.decoupled,
+                       bool(group["maximize"]), self._backend_name(seg, grads))
+
+    def _state_keys_for_load(self, saved: dict):
+        if "max_exp_avg_sq" in saved:
+            raise ValueError(f"the loaded state has 'max_exp_avg_sq' (an AMSGrad optimizer's state): "
+                             f"{type(self).__name__} does not implement AMSGrad")
+        return self.state_names
+
+
+def _check_unsupported(cls: str, amsgrad, differentiable) -> None:
+    if amsgrad:
+        raise ValueError(f"amsgrad=True: {cls} does not implement AMSGrad; use torch.optim.AdamW(amsgrad=True)")
+    if differentiable:
+        raise ValueError(f"differentiable=True: {cls} updates in place without autograd")
 
 
 class FusedAdam(_FusedAdamBase):
-    """Adam with L2 weight decay (``torch.optim.Adam`` math) over flat buffers and fp32 master weights.
+    """Adam with L2 weight decay (``torch.optim.Adam`` math), fp32 master weights for fp16/bf16 parameters.
 
     ``master_weights=None`` keeps fp32 masters for fp16/bf16 parameters and none for fp32 ones. Each step
     checks the gradients for infs/NaNs (skipping the step on the device if any), measures their norm, clips
     to ``max_grad_norm`` when given, and updates, in two kernel launches and without a host sync.
+    ``foreach``, ``fused`` and ``capturable`` are accepted for drop-in use and ignored (the step is always
+    fused and capturable).
     """
 
 
 class FusedAdamW(_FusedAdamBase):
-    """AdamW (decoupled weight decay, ``torch.optim.AdamW`` math) over flat buffers and fp32 master weights.
-
-    See :class:`FusedAdam`; the default ``weight_decay`` is 1e-2 as in torch.
-    """
+    """AdamW (decoupled weight decay, ``torch.optim.AdamW`` math); see :class:`FusedAdam`. The default
+    ``weight_decay`` is 1e-2 as in torch."""
 
     decoupled = True
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, maximize=False,
-                 max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
-                 backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None):
-        super().__init__(params, lr, betas, eps, weight_decay, maximize=maximize, max_grad_norm=max_grad_norm,
-                         master_weights=master_weights, backend=backend, spike_guard=spike_guard,
-                         track_nonfinite=track_nonfinite, module=module)
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
+                 backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None,
+                 foreach=None, fused=None, capturable=False, differentiable=False):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         max_grad_norm=max_grad_norm, master_weights=master_weights, backend=backend,
+                         spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module, foreach=foreach,
+                         fused=fused, capturable=capturable, differentiable=differentiable)

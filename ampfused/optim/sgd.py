@@ -4,43 +4,41 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import ops
-from ._base import FusedOptimizer, _check_lr
+from . import _params as P
+from ._base import FusedOptimizer
 
 
 class FusedSGD(FusedOptimizer):
-    """SGD over flat buffers and fp32 master weights, in the fused check + norm + clip + update step."""
+    """SGD with fp32 master weights for fp16/bf16 parameters, in the fused check + norm + clip + update
+    step. ``foreach``, ``fused`` and ``capturable`` are accepted for drop-in use and ignored."""
 
     state_names = ("momentum_buffer",)
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
-                 backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None):
-        self._check_hyper(lr, momentum, dampening, weight_decay, nesterov)
+                 backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None,
+                 foreach=None, fused=None, capturable=False, differentiable=False):
+        if differentiable:
+            raise ValueError("differentiable=True: FusedSGD updates in place without autograd")
+        P.check_lr(lr)
+        P.check_momentum(momentum, dampening, nesterov)
+        P.check_weight_decay(weight_decay)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov, maximize=maximize)
+                        nesterov=bool(nesterov), maximize=bool(maximize))
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
                          backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
 
-    @staticmethod
-    def _check_hyper(lr, momentum, dampening, weight_decay, nesterov) -> None:
-        _check_lr(lr)
-        if momentum < 0.0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+    def _validate_group(self, group: dict, where: str) -> None:
+        super()._validate_group(group, where)
+        P.check_momentum(group["momentum"], group["dampening"], group["nesterov"], where)
+        P.check_weight_decay(group["weight_decay"], where)
 
-    def _validate_group(self, group: dict) -> None:
-        self._check_hyper(group["lr"], group["momentum"], group["dampening"], group["weight_decay"],
-                          group["nesterov"])
-
-    def _update(self, seg, group, partials, inv_scale, lr, max_norm) -> None:
-        ops.sgd_step_(seg.flat.data, seg.flat.grad, seg.master, seg.states["momentum_buffer"], seg.step, partials,
-                      inv_scale, lr, self._stats, momentum=float(group["momentum"]),
-                      dampening=float(group["dampening"]), weight_decay=float(group["weight_decay"]),
-                      nesterov=bool(group["nesterov"]), max_norm=max_norm, maximize=bool(group["maximize"]),
-                      backend=self.backend)
+    def _update(self, seg, grads, group, partials, inv_scale, lr, max_norm) -> None:
+        momentum = float(group["momentum"])
+        ops.call_step_("sgd_step_", seg.params, grads, seg.master,
+                       seg.states["momentum_buffer"] if momentum != 0 else None, seg.steps, partials, inv_scale, lr,
+                       self._stats, momentum, float(group["dampening"]), float(group["weight_decay"]),
+                       bool(group["nesterov"]), max_norm, bool(group["maximize"]), self._backend_name(seg, grads))
 
     # torch.optim.SGD keeps no step; its momentum_buffer is None until the first step with momentum.
     def _export_param_state(self, st: dict, step: float) -> dict:

@@ -1,0 +1,129 @@
+"""Segments: the optimizer's own state for the parameters of one param group that share a dtype.
+
+The parameters stay the user's tensors, wherever they live and however they are laid out in memory. A
+segment holds what the optimizer derives from them: fp32 master copies (for fp16/bf16 parameters), the
+optimizer states (moments, momentum) in flat fp32 buffers laid out by :func:`ampfused.ops.state_layout`,
+one step count per parameter and the group's lr as a device tensor. Parameter ``i``'s slice of a flat
+buffer holds its elements in the parameter's memory order, so :meth:`Segment.view` of a slice with the
+parameter's strides is its state as ``torch.optim`` shapes it (``channels_last`` included).
+
+What the segment remembers of each parameter (address, version counter, dtype, device, shape, strides) is
+what the optimizer compares on the host before every step to follow changes made outside it; see
+``FusedOptimizer._follow_parameters``.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from ..ops import state_layout
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+_data_ptr = Tensor.data_ptr
+
+
+def layout_of(p: Tensor) -> tuple:
+    """What a segment's state layout depends on: dtype, device, shape and strides."""
+    return p.dtype, p.device, tuple(p.shape), p.stride()
+
+
+def versions(params: List[Tensor]) -> List[int]:
+    return [p._version for p in params]
+
+
+def addresses(params: List[Tensor]) -> List[int]:
+    return list(map(_data_ptr, params))
+
+
+class Segment:
+    """Parameters ``params`` (one group, one dtype, one device) and the optimizer's state for them."""
+
+    def __init__(self, group_index: int, params: List[Tensor], use_master: bool, state_names: tuple):
+        self.group_index = group_index
+        self.params = list(params)
+        p0 = self.params[0]
+        self.dtype, self.device = p0.dtype, p0.device
+        self.offsets, self.total = state_layout([p.numel() for p in self.params])
+        self.layouts = [layout_of(p) for p in self.params]
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self.master: Optional[Tensor] = torch.zeros(self.total, **f32) if use_master else None  # gaps stay 0
+        self.states: Dict[str, Tensor] = {name: torch.zeros(self.total, **f32) for name in state_names}
+        self.steps = torch.zeros(len(self.params), **f32)
+        self.has_state = [False] * len(self.params)  # as torch.optim: state exists once a step saw a gradient
+        self.lr = torch.zeros((), **f32)
+        self.lr_value = None  # the Python value last written into self.lr
+        self.ptrs: List[int] = []
+        self.vers: List[int] = []
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def view(self, flat: Tensor, i: int) -> Tensor:
+        """Parameter ``i``'s slice of a flat buffer, with the parameter's shape and strides."""
+        _, _, shape, stride = self.layouts[i]
+        return flat.as_strided(shape, stride, self.offsets[i])  # flat buffers are whole allocations
+
+    def remember(self) -> None:
+        """Record the parameters' addresses and version counters as the segment's own view of them."""
+        if torch.compiler.is_compiling():
+            return self.forget()  # not traceable: the next eager step compares every parameter instead
+        self.ptrs = addresses(self.params)
+        self.vers = versions(self.params)
+
+    def forget(self) -> None:
+        """Make the next check treat every parameter as changed (after a load: values are compared then)."""
+        self.ptrs = [-1] * len(self.params)
+        self.vers = [-1] * len(self.params)
+
+    @torch.no_grad()
+    def follow_values(self, i: int) -> None:
+        """Parameter ``i`` was written outside the optimizer (same place, same layout): keep its master where
+        the master still rounds to every one of the parameter's values, else rebuild it from them. Decided
+        on the device: no host read."""
+        if self.master is None:
+            return
+        p = self.params[i]
+        m = self.view(self.master, i)
+        m.copy_(_keep_or_rebuild(m, p))
+
+
+def _keep_or_rebuild(master: Tensor, p: Tensor) -> Tensor:
+    """``master`` if it rounds to ``p`` element for element (the user's values did not change), else
+    ``p`` in fp32."""
+    if p.numel() == 0:
+        return master
+    same = torch.eq(master.to(p.dtype), p).all()
+    return torch.where(same, master, p.float())
+
+
+@torch.no_grad()
+def build_segment(group_index: int, params: List[Tensor], use_master: bool, state_names: tuple,
+                  previous: Dict[int, tuple]) -> Segment:
+    """A segment for ``params``, carrying each one's state from ``previous`` (``id(param) -> (old segment,
+    index)``) when it had some: moments and step count follow the parameter to its new device, dtype and
+    memory layout; its master is kept where it still rounds to the parameter's values, else rebuilt from
+    them (a master of a parameter that had none is built from its values)."""
+    seg = Segment(group_index, params, use_master, state_names)
+    for i, p in enumerate(seg.params):
+        old = previous.get(id(p))
+        if old is None:
+            if seg.master is not None:
+                seg.view(seg.master, i).copy_(p)
+            continue
+        prev, j = old
+        for name, flat in seg.states.items():
+            if name in prev.states:
+                seg.view(flat, i).copy_(prev.view(prev.states[name], j))
+        seg.steps[i:i + 1].copy_(prev.steps[j:j + 1])
+        seg.has_state[i] = prev.has_state[j]
+        if seg.master is not None:
+            mine = seg.view(seg.master, i)
+            if prev.master is not None:
+                mine.copy_(prev.view(prev.master, j))
+                mine.copy_(_keep_or_rebuild(mine, p))
+            else:
+                mine.copy_(p)
+    seg.remember()
+    return seg
