@@ -54,6 +54,20 @@ def owner_of(p: Tensor):
     return ref() if ref is not None else None
 
 
+def _on_parameter_registered(module: torch.nn.Module, name: str, param) -> None:
+    """A Parameter assigned into a module (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``)
+    replaces the one a fused optimizer holds: that optimizer trains the new one from its next step on."""
+    old = module._parameters.get(name) if name in module._parameters else None
+    if old is None or param is None or old is param:
+        return
+    opt = owner_of(old)
+    if opt is not None:
+        opt._replaced[old] = param
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registered)
+
+
 def _append_flag(partials: Tensor, flag: Tensor) -> Tensor:
     """Partials with one more column ``[0, flag]``: a flag > 0 makes the update skip."""
     return torch.cat([partials, torch.stack([torch.zeros_like(flag), flag])[:, None]], 1)
@@ -145,6 +159,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._make_device_tensors(first.device if isinstance(first, Tensor) else torch.device("cpu"))
 
     def _init_internals(self) -> None:
+        self._replaced = WeakIdKeyDictionary()  # parameter -> the Parameter a module now holds in its place
         self._segments: List[Segment] = []
         self._packed_groups: List[Optional[List[Tensor]]] = []  # per group: its params as last packed
         self._partials_cache = None  # (grad keys, partials) left by _ampfused_unscale_ / fold clip
@@ -209,6 +224,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         groups = self.param_groups
         if len(self._packed_groups) < len(groups):
             self._packed_groups += [None] * (len(groups) - len(self._packed_groups))
+        carried = self._take_replacements() if len(self._replaced) else {}
         if torch.compiler.is_compiling():
             # addresses and version counters cannot be traced: a compiled step runs with the segments built
             # by the last eager call (its guards recompile when parameters change dtype or device)
@@ -238,7 +254,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     break
                 rewritten.append((seg, i))
         if repack:
-            self._repack(repack)
+            self._repack(repack, carried)
         for seg, i in rewritten:
             if seg.group_index not in repack:
                 seg.follow_values(i)
@@ -246,8 +262,40 @@ class FusedOptimizer(torch.optim.Optimizer):
             if seg.group_index not in repack:
                 seg.remember()
 
-    def _repack(self, groups_to_pack: set) -> None:
-        """Rebuild the segments of these groups from their parameters as they are now, carrying state."""
+    def _take_replacements(self) -> Dict[int, Tensor]:
+        """Put the Parameters that modules now hold in place of ours into the param groups (the one already
+        held elsewhere in this optimizer, as when weights get tied, simply leaves its old slot); returns
+        ``id(new) -> old`` so the new ones take over the old ones' state."""
+        pending = {id(old): (old, new) for old, new in self._replaced.items()}
+        self._replaced = WeakIdKeyDictionary()
+        held = {id(p) for g in self.param_groups for p in g["params"]}
+        carried: Dict[int, Tensor] = {}
+        owner = weakref.ref(self)
+        for g in self.param_groups:
+            names = g.get("param_names")
+            out, out_names = [], []
+            for k, p in enumerate(g["params"]):
+                entry = pending.get(id(p))
+                new = p if entry is None else entry[1]
+                while id(new) in pending and pending[id(new)][1] is not new:  # replaced again since
+                    new = pending[id(new)][1]
+                if new is not p:
+                    if id(new) in held:
+                        continue
+                    held.add(id(new))
+                    carried[id(new)] = p
+                    _OWNERS[new] = owner
+                out.append(new)
+                if names is not None:
+                    out_names.append(names[k])
+            g["params"][:] = out
+            if names is not None:
+                g["param_names"] = out_names
+        return carried
+
+    def _repack(self, groups_to_pack: set, carried: Optional[Dict[int, Tensor]] = None) -> None:
+        """Rebuild the segments of these groups from their parameters as they are now, carrying state
+        (``carried``: ``id(new parameter) -> the parameter whose state it takes over``)."""
         everything = [(gi, k, p) for gi, g in enumerate(self.param_groups) for k, p in enumerate(g["params"])]
         devices = {}
         seen = set()
@@ -268,6 +316,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"a fused optimizer's parameters must all be on one device, but {where}. Move the whole "
                              "model (or every parameter given to this optimizer) to one device.")
         previous = {id(p): (seg, i) for seg in self._segments for i, p in enumerate(seg.params)}
+        for new_id, old in (carried or {}).items():
+            if id(old) in previous:
+                seg, i = previous[id(old)]
+                new = next(p for g in self.param_groups for p in g["params"] if id(p) == new_id)
+                if seg.layouts[i][2] == tuple(new.shape):  # same shape: it takes over the old one's state
+                    previous[new_id] = (seg, i)
         segments: List[Segment] = []
         for gi, group in enumerate(self.param_groups):
             if gi not in groups_to_pack:
