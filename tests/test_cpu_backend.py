@@ -17,7 +17,7 @@ from oracle import assert_bitwise, assert_close_to_oracle
 if os.environ.get("AMPFUSED_SKIP_NATIVE_BUILD") == "1":
     pytest.skip("native modules not built (AMPFUSED_SKIP_NATIVE_BUILD=1)", allow_module_level=True)
 
-F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 # (grad dtype, param dtype, has fp32 master)
 DTYPE_CASES = [(BF16, BF16, True), (F16, F16, True), (F32, F32, False), (F32, BF16, True), (BF16, F32, True)]
 ADAM_CONFIGS = {
@@ -32,103 +32,254 @@ SGD_CONFIGS = {
     "nesterov-maximize": dict(momentum=0.9, nesterov=True, maximize=True),
 }
 LOSS_SCALE = 1024.0
+GAP = float("nan")  # what the flat state buffers hold between parameters: no step may read or write it
+
+# ---- problems: parameters where they live, flat state, three copies (fast, fp32 reference, fp64 oracle) ----
+#
+# A parameter is (shape, layout, has a gradient, initial step count). Layouts: "plain" (row-major),
+# "channels_last", "transposed" (a 2-D .t()), "offset" (parameter and gradient are views one element into a
+# larger buffer: misaligned for 128-bit access), "grad_offset" (only the gradient is such a view).
+
+MULTI = [((0,), "plain", True, 0), ((1,), "plain", True, 3), ((7,), "plain", True, 0), ((127,), "offset", True, 1),
+         ((16385,), "plain", True, 5), ((70001,), "plain", True, 0), ((3, 5, 7, 11), "channels_last", True, 2),
+         ((300,), "plain", False, 4), ((33, 40), "transposed", True, 0), ((4099,), "grad_offset", True, 7),
+         ((129,), "offset", False, 0)]
 
 
-def _native_partials(grads, inv, backend):
-    return ops.norm_check(grads, inv, backend=backend)
+def single(n):
+    return [((n,), "plain", True, 0)]
 
 
-def _oracle_partials(grad, inv):
-    u = grad.double() * inv.double()
-    return torch.stack([(u * u).sum().reshape(1), (~torch.isfinite(grad).all()).double().reshape(1)])
+def placed(values, shape, layout, device):
+    """A tensor of ``shape`` laid out as ``layout`` whose elements in memory order are ``values`` (1-D)."""
+    n, dtype = values.numel(), values.dtype
+    if layout == "channels_last":
+        t = torch.empty(shape, dtype=dtype, device=device, memory_format=torch.channels_last)
+    elif layout == "transposed":
+        t = torch.empty(shape[::-1], dtype=dtype, device=device).t()
+    elif layout == "offset":
+        t = torch.empty(n + 8, dtype=dtype, device=device)[1:n + 1].view(shape)
+    else:
+        t = torch.empty(shape, dtype=dtype, device=device)
+    R.memory_view(t).copy_(values.to(device))
+    return t
 
 
-def make_state(n, gdt, pdt, has_master, device, seed=0):
-    """Three copies (fast, ref32, ref64) of one problem; states start nonzero like a run in progress."""
+def grad_layout(layout):
+    return "offset" if layout == "grad_offset" else layout
+
+
+def param_layout(layout):
+    return "plain" if layout == "grad_offset" else layout
+
+
+def make_problem(specs, pdt, has_master, device, seed=0, step_dtype=F32):
+    """Three copies (fast, ref32, ref64) of one problem: dicts with params (list), master, s1, s2 (flat buffers
+    laid out by state_layout, gaps holding GAP) and steps ([T]). States start nonzero like a run in progress."""
+    numels = [math.prod(s[0]) for s in specs]
+    offsets, total = R.state_layout(numels)
     gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, generator=gen, dtype=torch.float64)
-    m = torch.randn(n, generator=gen, dtype=torch.float64) * 1e-3
-    v = torch.rand(n, generator=gen, dtype=torch.float64) * 1e-6
+    w, m, v = (torch.full((total,), GAP, dtype=F64) for _ in range(3))
+    for off, n in zip(offsets, numels):
+        w[off:off + n] = torch.randn(n, generator=gen, dtype=F64)
+        m[off:off + n] = torch.randn(n, generator=gen, dtype=F64) * 1e-3
+        v[off:off + n] = torch.rand(n, generator=gen, dtype=F64) * 1e-6
     copies = []
-    for cd in (F32, F32, torch.float64):
-        master = w.to(cd) if has_master else None
-        param = (w.to(pdt) if has_master else w.to(cd)).to(device)
-        s = dict(param=param, master=None if master is None else master.to(device),
-                 step=torch.tensor(0.0, device=device), s1=m.to(cd).to(device), s2=v.to(cd).to(device))
-        if cd == torch.float64 and not has_master:
-            s["param"] = w.to(device)
-        copies.append(s)
+    for k, cd in enumerate((F32, F32, F64)):
+        pd = pdt if has_master else cd
+        params = [placed(w[off:off + n].to(pd), s[0], param_layout(s[1]), device)
+                  for s, off, n in zip(specs, offsets, numels)]
+        copies.append(dict(params=params, master=w.to(cd).to(device) if has_master else None, s1=m.to(cd).to(device),
+                           s2=v.to(cd).to(device),
+                           steps=torch.tensor([float(s[3]) for s in specs], dtype=step_dtype if k == 0 else F32,
+                                              device=device)))
     return copies
 
 
-def run_and_compare(device, backend, n, gdt, pdt, has_master, opt, cfg, steps=3, step_dtype=F32, seed=0):
-    fast, ref32, ref64 = make_state(n, gdt, pdt, has_master, device, seed)
-    fast["step"] = fast["step"].to(step_dtype)
+def make_grads(specs, gdt, device, gen, scale=1e-2 * LOSS_SCALE):
+    """One gradient per parameter with its layout (None where the spec says so), values in memory order."""
+    grads = []
+    for shape, layout, has_grad, _ in specs:
+        if not has_grad:
+            grads.append(None)
+            continue
+        vals = torch.randn(math.prod(shape), generator=gen) * scale
+        grads.append(placed(vals.to(gdt), shape, grad_layout(layout), device))
+    return grads
+
+
+def oracle_partials(grads, inv):
+    """[[sum of squares], [found_inf]] in fp64 over the gradients that are not None."""
+    s, bad = torch.zeros((), dtype=F64), 0.0
+    for g in grads:
+        if g is not None:
+            u = g.double().cpu() * inv.double().cpu()
+            s = s + (u * u).sum()
+            bad = max(bad, float(not torch.isfinite(g).all()))
+    return torch.tensor([[s.item()], [bad]], dtype=F64, device=inv.device)
+
+
+def adam_kw(cfg):
+    return dict(beta1=cfg.get("beta1", 0.9), beta2=0.999, eps=1e-8, weight_decay=cfg.get("weight_decay", 0.0),
+                max_norm=cfg.get("max_norm", math.inf), decoupled=cfg.get("decoupled", True),
+                maximize=cfg.get("maximize", False))
+
+
+def sgd_kw(cfg):
+    return dict(momentum=cfg.get("momentum", 0.0), dampening=cfg.get("dampening", 0.0),
+                weight_decay=cfg.get("weight_decay", 0.0), nesterov=cfg.get("nesterov", False),
+                max_norm=cfg.get("max_norm", math.inf), maximize=cfg.get("maximize", False))
+
+
+def call_step(s, grads, partials, out, opt, cfg, inv, lr, backend=None, legacy=False):
+    """One step of copy ``s``: through ampfused.ops with ``backend``, else the reference. ``legacy`` uses the
+    single-tensor spelling of the ops (one parameter, its gradient, a 0-d step count)."""
+    params, steps = s["params"], s["steps"]
+    if legacy and backend:
+        assert len(params) == 1
+        params, grads, steps = params[0], grads[0], steps[0]  # steps[0]: a 0-d view, advanced in place
+    if opt == "adam":
+        kw = adam_kw(cfg)
+        if backend:
+            ops.adam_step_(params, grads, s["master"], s["s1"], s["s2"], steps, partials, inv, lr, out,
+                           backend=backend, **kw)
+        else:
+            R.adam_step_(params, grads, s["master"], s["s1"], s["s2"], steps, partials, inv, lr, out, *kw.values())
+    else:
+        kw = sgd_kw(cfg)
+        buf = s["s1"] if kw["momentum"] else None
+        if backend:
+            ops.sgd_step_(params, grads, s["master"], buf, steps, partials, inv, lr, out, backend=backend, **kw)
+        else:
+            R.sgd_step_(params, grads, s["master"], buf, steps, partials, inv, lr, out, *kw.values())
+
+
+def flat_names(opt, cfg, has_master):
+    names = ["master"] if has_master else []
+    if opt == "adam" or sgd_kw(cfg)["momentum"]:
+        names.append("s1")
+    if opt == "adam":
+        names.append("s2")
+    return names
+
+
+def snapshot_inactive(s, grads):
+    """Copies of what a step must leave alone: the parameters without a gradient, their state slices (every
+    flat buffer, gaps included: the gaps hold NaN, compared bit for bit) and their step counts."""
+    offsets, _ = R.state_layout([p.numel() for p in s["params"]])
+    out = {}
+    for i, (p, g) in enumerate(zip(s["params"], grads)):
+        if g is None:
+            sl = slice(offsets[i], offsets[i] + p.numel())
+            out[i] = [p.clone(), s["steps"][i].clone()] + [s[k][sl].clone() for k in ("master", "s1", "s2")
+                                                           if s[k] is not None]
+    return out
+
+
+def check_inactive(s, grads, before, where):
+    after = snapshot_inactive(s, grads)
+    for i in before:
+        for k, (a, b) in enumerate(zip(before[i], after[i])):
+            assert_bitwise(f"params[{i}] has no gradient: tensor {k} ({where})", a, b)
+
+
+def run_and_compare(device, backend, specs, gdt, pdt, has_master, opt, cfg, steps=3, step_dtype=F32, seed=0,
+                    legacy=False):
+    """``steps`` steps of the fast backend and of the fp32 and fp64 references on the same problem, compared
+    after each step by the oracle rule; parameters without a gradient stay bit for bit."""
+    fast, ref32, ref64 = make_problem(specs, pdt, has_master, device, seed, step_dtype)
     gen = torch.Generator().manual_seed(seed + 1)
     inv = torch.tensor(1.0 / LOSS_SCALE, device=device)
     lr = torch.tensor(1e-3, device=device)
-    cfg = dict(cfg)
+    offsets, _ = R.state_layout([math.prod(s[0]) for s in specs])
     for k in range(steps):
-        grad = (torch.randn(n, generator=gen) * 1e-2 * LOSS_SCALE).to(gdt).to(device)
-        out = [torch.zeros(2, device=device), torch.zeros(2, device=device), torch.zeros(2, dtype=torch.float64,
-                                                                                      device=device)]
-        parts = [_native_partials([grad], inv, backend), R.norm_check([grad], inv), _oracle_partials(grad, inv)]
+        grads = make_grads(specs, gdt, device, gen)
+        active = [g for g in grads if g is not None]
+        out = [torch.full((2,), -1.0, device=device), torch.zeros(2, device=device),
+               torch.zeros(2, dtype=F64, device=device)]
+        parts = [ops.norm_check(active, inv, backend=backend), R.norm_check(active, inv), oracle_partials(active, inv)]
+        before = snapshot_inactive(fast, grads)
+        steps_before = fast["steps"].clone()
         for s, p, o, be in zip((fast, ref32, ref64), parts, out, (backend, None, None)):
-            w = s["master"] if has_master else None
-            if opt == "adam":
-                kw = dict(beta1=cfg.get("beta1", 0.9), beta2=0.999, eps=1e-8, weight_decay=cfg["weight_decay"],
-                          max_norm=cfg["max_norm"], decoupled=cfg["decoupled"], maximize=cfg.get("maximize", False))
-                if be:
-                    ops.adam_step_(s["param"], grad, w, s["s1"], s["s2"], s["step"], p, inv, lr, o, backend=be, **kw)
-                else:
-                    R.adam_step_(s["param"], grad, w, s["s1"], s["s2"], s["step"], p, inv, lr, o, *kw.values())
-            else:
-                kw = dict(momentum=cfg["momentum"], dampening=cfg.get("dampening", 0.0),
-                          weight_decay=cfg.get("weight_decay", 0.0), nesterov=cfg.get("nesterov", False),
-                          max_norm=cfg.get("max_norm", math.inf), maximize=cfg.get("maximize", False))
-                buf = s["s1"] if cfg["momentum"] else None
-                if be:
-                    ops.sgd_step_(s["param"], grad, w, buf, s["step"], p, inv, lr, o, backend=be, **kw)
-                else:
-                    R.sgd_step_(s["param"], grad, w, buf, s["step"], p, inv, lr, o, *kw.values())
+            call_step(s, grads, p, o, opt, cfg, inv, lr, be, legacy)
         where = f"step {k}"
         assert_close_to_oracle(f"norm ({where})", out[0][0], out[1][0], out[2][0])
         assert out[0][1].item() == 0.0
-        wf = fast["master"] if has_master else fast["param"]
-        w32 = ref32["master"] if has_master else ref32["param"]
-        w64 = ref64["master"] if has_master else ref64["param"]
-        assert_close_to_oracle(f"weights ({where})", wf, w32, w64)
-        if opt == "adam" or cfg["momentum"]:
-            assert_close_to_oracle(f"exp_avg/momentum ({where})", fast["s1"], ref32["s1"], ref64["s1"])
-        if opt == "adam":
-            assert_close_to_oracle(f"exp_avg_sq ({where})", fast["s2"], ref32["s2"], ref64["s2"])
-        if has_master:  # the model copy is the rounded master, bit for bit
-            assert_bitwise(f"param ({where})", fast["param"], fast["master"].to(pdt))
-        assert fast["step"].item() == k + 1
+        for name in flat_names(opt, cfg, has_master):
+            assert_close_to_oracle(f"{name} ({where})", fast[name], ref32[name], ref64[name])
+        for i, (pf, p32, p64) in enumerate(zip(fast["params"], ref32["params"], ref64["params"])):
+            if has_master:  # the model copy is the rounded master, bit for bit
+                sl = slice(offsets[i], offsets[i] + pf.numel())
+                assert_bitwise(f"params[{i}] ({where})", R.memory_view(pf), fast["master"][sl].to(pdt))
+            else:
+                assert_close_to_oracle(f"params[{i}] ({where})", R.memory_view(pf), R.memory_view(p32),
+                                       R.memory_view(p64))
+        check_inactive(fast, grads, before, where)
+        advanced = torch.tensor([float(g is not None) for g in grads], dtype=step_dtype, device=device)
+        assert_bitwise(f"steps ({where})", fast["steps"], steps_before + advanced)
     return fast
 
 
 @pytest.mark.parametrize("gdt,pdt,has_master", DTYPE_CASES, ids=lambda c: str(c).replace("torch.", ""))
 @pytest.mark.parametrize("cfg", list(ADAM_CONFIGS), ids=str)
 def test_adam_matches_reference(gdt, pdt, has_master, cfg):
-    run_and_compare("cpu", "cpu", 4099, gdt, pdt, has_master, "adam", ADAM_CONFIGS[cfg])
+    run_and_compare("cpu", "cpu", single(4099), gdt, pdt, has_master, "adam", ADAM_CONFIGS[cfg], legacy=True)
 
 
 @pytest.mark.parametrize("gdt,pdt,has_master", DTYPE_CASES[:3], ids=lambda c: str(c).replace("torch.", ""))
 @pytest.mark.parametrize("cfg", list(SGD_CONFIGS), ids=str)
 def test_sgd_matches_reference(gdt, pdt, has_master, cfg):
-    run_and_compare("cpu", "cpu", 4099, gdt, pdt, has_master, "sgd", SGD_CONFIGS[cfg])
+    run_and_compare("cpu", "cpu", single(4099), gdt, pdt, has_master, "sgd", SGD_CONFIGS[cfg], legacy=True)
+
+
+@pytest.mark.parametrize("gdt,pdt,has_master", DTYPE_CASES, ids=lambda c: str(c).replace("torch.", ""))
+@pytest.mark.parametrize("cfg", ["adamw-clip", "adam-l2"], ids=str)
+def test_adam_many_tensors(gdt, pdt, has_master, cfg):
+    run_and_compare("cpu", "cpu", MULTI, gdt, pdt, has_master, "adam", ADAM_CONFIGS[cfg])
+
+
+@pytest.mark.parametrize("gdt,pdt,has_master", DTYPE_CASES[:3], ids=lambda c: str(c).replace("torch.", ""))
+@pytest.mark.parametrize("cfg", list(SGD_CONFIGS), ids=str)
+def test_sgd_many_tensors(gdt, pdt, has_master, cfg):
+    # steps differ per parameter: the momentum buffer starts (steps[i] == 0) for some parameters only
+    run_and_compare("cpu", "cpu", MULTI, gdt, pdt, has_master, "sgd", SGD_CONFIGS[cfg])
 
 
 @pytest.mark.parametrize("n", [1, 127, 65537])
 def test_awkward_sizes_step(n):
-    run_and_compare("cpu", "cpu", n, BF16, BF16, True, "adam", ADAM_CONFIGS["adamw-clip"], steps=2)
-    run_and_compare("cpu", "cpu", n, F16, F32, False if n == 1 else True, "sgd",
-                    SGD_CONFIGS["momentum-dampening-wd-clip"], steps=2)
+    run_and_compare("cpu", "cpu", single(n), BF16, BF16, True, "adam", ADAM_CONFIGS["adamw-clip"], steps=2)
+    run_and_compare("cpu", "cpu", single(n), F16, F32, n != 1, "sgd", SGD_CONFIGS["momentum-dampening-wd-clip"],
+                    steps=2)
 
 
-def test_fp64_step_counter():
-    run_and_compare("cpu", "cpu", 300, BF16, BF16, True, "adam", ADAM_CONFIGS["adamw-clip"], step_dtype=torch.float64)
+def test_fp64_step_counts():
+    run_and_compare("cpu", "cpu", single(300), BF16, BF16, True, "adam", ADAM_CONFIGS["adamw-clip"], step_dtype=F64,
+                    legacy=True)
+    run_and_compare("cpu", "cpu", MULTI, BF16, BF16, True, "adam", ADAM_CONFIGS["adamw-clip"], step_dtype=F64, steps=2)
+
+
+def check_no_active_parameters(device, backend):
+    """No parameters, or none with a gradient: out_stats is still written, nothing else changes."""
+    specs = [((5,), "plain", False, 2), ((0,), "plain", False, 0), ((40,), "plain", False, 1)]
+    for opt in ("adam", "sgd"):
+        for sp in (specs, []):
+            fast, _, _ = make_problem(sp, BF16, True, device)
+            grads = [None] * len(sp)
+            before = snapshot_inactive(fast, grads)
+            flat = [fast[k].clone() for k in ("master", "s1", "s2")]
+            inv, lr = torch.tensor(0.5, device=device), torch.tensor(1e-3, device=device)
+            out = torch.full((2,), -1.0, device=device)
+            partials = torch.tensor([[9.0, 16.0], [0.0, 0.0]], device=device)
+            call_step(fast, grads, partials, out, opt, SGD_CONFIGS["momentum-dampening-wd-clip"]
+                      if opt == "sgd" else ADAM_CONFIGS["adamw-clip"], inv, lr, backend)
+            assert out.tolist() == [5.0, 0.0]
+            check_inactive(fast, grads, before, f"{opt}, {len(sp)} parameters")
+            for a, k in zip(flat, ("master", "s1", "s2")):
+                assert_bitwise(f"{k} ({opt}, {len(sp)} parameters)", a, fast[k])
+
+
+def test_no_active_parameters():
+    check_no_active_parameters("cpu", "cpu")
 
 
 # ---- K1: norm_check / unscale_ ------------------------------------------------------------------------
@@ -222,44 +373,48 @@ def snapshot(*ts):
     return [t.clone() for t in ts if t is not None]
 
 
-def check_skip(device, backend, opt):
-    n = 1000
-    fast, _, _ = make_state(n, BF16, BF16, True, device)
-    grad = torch.randn(n, device=device).to(BF16)
-    grad[17] = float("nan")
+def snapshot_problem(s):
+    return [p.clone() for p in s["params"]] + snapshot(s["master"], s["s1"], s["s2"], s["steps"])
+
+
+def check_skip(device, backend, opt, specs=None):
+    """A non-finite gradient element: the step writes out_stats and nothing else."""
+    specs = specs or single(1000)
+    fast, _, _ = make_problem(specs, BF16, True, device)
+    grads = make_grads(specs, BF16, device, torch.Generator().manual_seed(11), scale=1.0)
+    last = max(i for i, g in enumerate(grads) if g is not None and g.numel())
+    R.memory_view(grads[last])[grads[last].numel() // 2] = float("nan")
     inv, lr, out = torch.tensor(1.0, device=device), torch.tensor(1e-3, device=device), torch.zeros(2, device=device)
-    before = snapshot(fast["param"], fast["master"], fast["s1"], fast["s2"], fast["step"])
-    p = ops.norm_check([grad], inv, backend=backend)
-    if opt == "adam":
-        ops.adamw_step_(fast["param"], grad, fast["master"], fast["s1"], fast["s2"], fast["step"], p, inv, lr, out,
-                        backend=backend)
-    else:
-        ops.sgd_step_(fast["param"], grad, fast["master"], fast["s1"], fast["step"], p, inv, lr, out, momentum=0.9,
-                      backend=backend)
-    after = snapshot(fast["param"], fast["master"], fast["s1"], fast["s2"], fast["step"])
-    for i, (a, b) in enumerate(zip(before, after)):
+    before = snapshot_problem(fast)
+    p = ops.norm_check([g for g in grads if g is not None], inv, backend=backend)
+    cfg = ADAM_CONFIGS["adamw-clip"] if opt == "adam" else SGD_CONFIGS["momentum-dampening-wd-clip"]
+    call_step(fast, grads, p, out, opt, cfg, inv, lr, backend, legacy=len(specs) == 1)
+    for i, (a, b) in enumerate(zip(before, snapshot_problem(fast))):
         assert_bitwise(f"tensor {i} after a skipped step", a, b)
-    assert out[1].item() == 1.0
+    assert out[1].item() == 1.0 and math.isnan(out[0].item())
 
 
 @pytest.mark.parametrize("opt", ["adam", "sgd"])
 def test_skipped_step_changes_nothing(opt):
     check_skip("cpu", "cpu", opt)
+    check_skip("cpu", "cpu", opt, MULTI)
 
 
 def one_step(device, backend, n, threads=None):
+    """Every output of one AdamW step (clipped) over MULTI plus a parameter of n elements."""
     old = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        fast, _, _ = make_state(n, BF16, BF16, True, device)
-        grad = (torch.randn(n, generator=torch.Generator().manual_seed(5)) * 10).to(BF16).to(device)
+        specs = MULTI + single(n)
+        fast, _, _ = make_problem(specs, BF16, True, device)
+        grads = make_grads(specs, BF16, device, torch.Generator().manual_seed(5), scale=10.0)
         inv, lr, out = (torch.tensor(0.5, device=device), torch.tensor(1e-3, device=device),
                         torch.zeros(2, device=device))
-        p = ops.norm_check([grad], inv, backend=backend)
-        ops.adamw_step_(fast["param"], grad, fast["master"], fast["s1"], fast["s2"], fast["step"], p, inv, lr, out,
+        p = ops.norm_check([g for g in grads if g is not None], inv, backend=backend)
+        ops.adamw_step_(fast["params"], grads, fast["master"], fast["s1"], fast["s2"], fast["steps"], p, inv, lr, out,
                         max_norm=1.0, backend=backend)
-        return [p, out, fast["param"], fast["master"], fast["s1"], fast["s2"]]
+        return [p, out] + snapshot_problem(fast)
     finally:
         torch.set_num_threads(old)
 
@@ -267,7 +422,8 @@ def one_step(device, backend, n, threads=None):
 def test_bitwise_across_threads_runs_and_isas():
     n = 200_003  # 13 chunks
     base = one_step("cpu", "cpu", n, threads=1)
-    runs = [one_step("cpu", "cpu", n, threads=2), one_step("cpu", "cpu", n, threads=2)]
+    runs = [one_step("cpu", "cpu", n, threads=2), one_step("cpu", "cpu", n, threads=2),
+            one_step("cpu", "cpu", n, threads=7)]
     mod = _native.module("cpu")
     current = mod.isa()
     try:
@@ -303,12 +459,14 @@ def test_update_scale_bitwise():
 # ---- bad input is rejected in Python, before any kernel runs ----------------------------------------------
 
 def step_tensors(device, n=64, gdt=BF16):
-    base = dict(param=torch.zeros(n, dtype=BF16, device=device), grad=torch.ones(n, dtype=gdt, device=device),
-                master=torch.zeros(n, device=device), exp_avg=torch.zeros(n, device=device),
-                exp_avg_sq=torch.zeros(n, device=device), step=torch.tensor(0.0, device=device),
+    """Arguments of a valid two-parameter AdamW step (n elements, then 8x8), by name."""
+    total = R.state_layout([n, 64])[1]
+    return dict(params=[torch.zeros(n, dtype=BF16, device=device), torch.zeros(8, 8, dtype=BF16, device=device)],
+                grads=[torch.ones(n, dtype=gdt, device=device), torch.ones(8, 8, dtype=gdt, device=device)],
+                master=torch.zeros(total, device=device), exp_avg=torch.zeros(total, device=device),
+                exp_avg_sq=torch.zeros(total, device=device), steps=torch.zeros(2, device=device),
                 partials=torch.tensor([[1.0], [0.0]], device=device), inv_scale=torch.tensor(1.0, device=device),
                 lr=torch.tensor(0.1, device=device), out_stats=torch.zeros(2, device=device))
-    return base
 
 
 def misaligned(t):
@@ -316,41 +474,64 @@ def misaligned(t):
     return buf[1:t.numel() + 1]
 
 
+def _set(key, i, f):
+    def change(t, d):
+        t[key] = list(t[key])
+        t[key][i] = f(t[key][i], d)
+    return change
+
+
+def _put(key, f):
+    def change(t, d):
+        t[key] = f(t[key], d)
+    return change
+
+
 BAD_INPUTS = {
-    "grad wrong dtype": (dict(grad=lambda t, d: torch.ones(64, dtype=torch.int32, device=d)), TypeError, "grad must"),
-    "grad fp64": (dict(grad=lambda t, d: torch.ones(64, dtype=torch.float64, device=d)), TypeError, "grad must have"),
-    "param not contiguous": (dict(param=lambda t, d: torch.zeros(128, dtype=BF16, device=d)[::2]), ValueError,
-                             "param must be contiguous"),
-    "exp_avg wrong size": (dict(exp_avg=lambda t, d: torch.zeros(63, device=d)), ValueError,
-                           "exp_avg must have 64 elements"),
-    "exp_avg_sq wrong dtype": (dict(exp_avg_sq=lambda t, d: torch.zeros(64, dtype=BF16, device=d)), TypeError,
-                               "exp_avg_sq must have dtype"),
-    "master misaligned": (dict(master=lambda t, d: misaligned(t)), ValueError, "master must start at a 16-byte"),
-    "grad misaligned": (dict(grad=lambda t, d: misaligned(t)), ValueError, "grad must start at a 16-byte"),
-    "param 2-d": (dict(param=lambda t, d: torch.zeros(8, 8, dtype=BF16, device=d)), ValueError, "param must be a 1-D"),
-    "partials shape": (dict(partials=lambda t, d: torch.zeros(3, device=d)), ValueError, "partials must have shape"),
-    "lr on meta": (dict(lr=lambda t, d: torch.tensor(0.1, device="meta")), ValueError, "lr must be on"),
-    "step int": (dict(step=lambda t, d: torch.tensor(0, device=d)), TypeError, "step must have dtype"),
-    "bf16 param without master": (dict(master=lambda t, d: None), ValueError, "master"),
-    "grad aliases master": (dict(grad=lambda t, d: None), ValueError, "overlap"),
+    "grad wrong dtype": (_set("grads", 0, lambda g, d: torch.ones(64, dtype=torch.int32, device=d)), TypeError,
+                         r"grads\[0\] must have dtype"),
+    "grads fp64": (_put("grads", lambda g, d: [x.double() for x in g]), RuntimeError,
+                   r"dtypes \['torch.float64'\] not supported"),
+    "grads of two dtypes": (_set("grads", 1, lambda g, d: g.float()), TypeError, r"grads\[1\] has dtype"),
+    "params of two dtypes": (_set("params", 1, lambda p, d: p.float()), TypeError, r"params\[1\] has dtype"),
+    "param not dense": (_set("params", 0, lambda p, d: torch.zeros(128, dtype=BF16, device=d)[::2]), ValueError,
+                        r"params\[0\] .* is not dense"),
+    "grad of another layout": (_set("grads", 1, lambda g, d: g.t().contiguous().t()), ValueError,
+                               r"grads\[1\] .* must have the shape and memory layout of params\[1\]"),
+    "grad of another size": (_set("grads", 0, lambda g, d: g[:63]), ValueError,
+                             r"grads\[0\] .* must have the shape and memory layout"),
+    "param on another device": (_set("params", 1, lambda p, d: torch.zeros(8, 8, dtype=BF16, device="meta")),
+                                ValueError, r"params\[1\] must be on"),
+    "grads too short": (_put("grads", lambda g, d: g[:1]), ValueError, "grads must have one entry per parameter"),
+    "exp_avg wrong size": (_put("exp_avg", lambda t, d: t[:-1]), ValueError, "exp_avg must have 128 elements"),
+    "exp_avg_sq wrong dtype": (_put("exp_avg_sq", lambda t, d: t.to(BF16)), TypeError, "exp_avg_sq must have dtype"),
+    "master misaligned": (_put("master", lambda t, d: misaligned(t)), ValueError, "master must start at a 16-byte"),
+    "master 2-d": (_put("master", lambda t, d: torch.zeros(1, t.numel(), device=d)), ValueError,
+                   "master must be a 1-D"),
+    "partials shape": (_put("partials", lambda t, d: torch.zeros(3, device=d)), ValueError, "partials must have shape"),
+    "lr on meta": (_put("lr", lambda t, d: torch.tensor(0.1, device="meta")), ValueError, "lr must be on"),
+    "steps int": (_put("steps", lambda t, d: torch.zeros(2, dtype=torch.int64, device=d)), TypeError,
+                  "steps must have dtype"),
+    "steps too short": (_put("steps", lambda t, d: t[:1]), ValueError, "steps must have 2 elements"),
+    "bf16 params without master": (_put("master", lambda t, d: None), ValueError, "master"),
+    "state aliases master": (lambda t, d: t.update(exp_avg=t["master"]), ValueError,
+                             "master and exp_avg must not overlap"),
 }
 
 
-def check_bad_inputs(device, backend_obj):
+def check_bad_inputs(device, backend):
     for case, (change, exc, msg) in BAD_INPUTS.items():
         t = step_tensors(device)
-        for k, f in change.items():
-            t[k] = f(t[k], device)
-        if case == "grad aliases master":
-            t["grad"] = t["master"]
-        before = snapshot(*[v for v in t.values() if v is not None and v.device.type != "meta"])
+        change(t, device)
+        live = [x for v in t.values() for x in (v if isinstance(v, list) else [v])
+                if x is not None and x.device.type != "meta"]
+        before = snapshot(*live)
         with pytest.raises(exc, match=msg):
-            backend_obj.adam_step_(t["param"], t["grad"], t["master"], t["exp_avg"], t["exp_avg_sq"], t["step"],
-                                   t["partials"], t["inv_scale"], t["lr"], t["out_stats"], 0.9, 0.999, 1e-8, 0.0,
-                                   math.inf, True)
-        after = snapshot(*[v for v in t.values() if v is not None and v.device.type != "meta"])
-        for a, b in zip(before, after):
+            ops.adam_step_(t["params"], t["grads"], t["master"], t["exp_avg"], t["exp_avg_sq"], t["steps"],
+                           t["partials"], t["inv_scale"], t["lr"], t["out_stats"], backend=backend)
+        for a, b in zip(before, snapshot(*live)):
             assert_bitwise(f"{case}: state after a rejected call", a, b)
+    backend_obj = ops.get_backend(backend)
     inv = torch.tensor(1.0, device=device)
     with pytest.raises(TypeError, match=r"grads\[1\] must have dtype"):
         backend_obj.norm_check([torch.ones(3, device=device), torch.ones(3, dtype=torch.int64, device=device)], inv)
@@ -364,7 +545,15 @@ def check_bad_inputs(device, backend_obj):
 
 
 def test_bad_input_rejected_before_kernels():
-    check_bad_inputs("cpu", ops.get_backend("cpu"))
+    check_bad_inputs("cpu", "cpu")
+
+
+def test_master_overlapping_a_param_is_rejected():
+    t = step_tensors("cpu")
+    params = [t["master"][:64], t["params"][1].float()]  # fp32 parameters with a master
+    with pytest.raises(ValueError, match=r"master and params\[0\] must not overlap"):
+        ops.adam_step_(params, [torch.ones(64), torch.ones(8, 8)], t["master"], t["exp_avg"], t["exp_avg_sq"],
+                       t["steps"], t["partials"], t["inv_scale"], t["lr"], t["out_stats"], backend="cpu")
 
 
 # ---- torch.library ---------------------------------------------------------------------------------------------
@@ -379,12 +568,15 @@ def check_opcheck(device, backend):
     torch.library.opcheck(o.update_scale_.default, (torch.tensor(4.0, device=device),
                                                     torch.tensor(0, dtype=torch.int32, device=device),
                                                     torch.tensor(0.0, device=device), 2.0, 0.5, 1, backend))
-    torch.library.opcheck(o.adam_step_.default, (t["param"], t["grad"], t["master"], t["exp_avg"], t["exp_avg_sq"],
-                                                 t["step"], t["partials"], t["inv_scale"], t["lr"], t["out_stats"],
-                                                 0.9, 0.999, 1e-8, 0.01, 1.0, True, False, backend))
-    torch.library.opcheck(o.sgd_step_.default, (t["param"], t["grad"], t["master"], t["exp_avg"], t["step"],
-                                                t["partials"], t["inv_scale"], t["lr"], t["out_stats"], 0.9, 0.0,
-                                                0.01, True, 1.0, False, backend))
+    with_none = [t["grads"][0], None]
+    for grads_ in (t["grads"], with_none):
+        torch.library.opcheck(o.adam_step_.default, (t["params"], grads_, t["master"], t["exp_avg"],
+                                                     t["exp_avg_sq"], t["steps"], t["partials"], t["inv_scale"],
+                                                     t["lr"], t["out_stats"], 0.9, 0.999, 1e-8, 0.01, 1.0, True,
+                                                     False, backend))
+        torch.library.opcheck(o.sgd_step_.default, (t["params"], grads_, t["master"], t["exp_avg"], t["steps"],
+                                                    t["partials"], t["inv_scale"], t["lr"], t["out_stats"], 0.9, 0.0,
+                                                    0.01, True, 1.0, False, backend))
 
 
 def test_opcheck():

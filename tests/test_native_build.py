@@ -59,6 +59,30 @@ def test_cuda_module_imports_without_a_gpu():
         assert reasons and reasons[0].startswith("no CUDA device"), reasons
 
 
+@pytest.mark.skipif(CUDA_SKIPPED or NVCC is None, reason="CUDA build skipped or nvcc not on PATH")
+def test_cuda_work_lists_follow_the_kernel_geometry():
+    """The chunk and K1-column lists ampfused/ops/cuda.py builds from a tensor table (on the host, no GPU needed)
+    are what the kernels expect: items row << WORK_SHIFT | index, rows in order, parameters without a gradient
+    left out, STEP_CHUNK elements per chunk, the K1 partials of norm_check over the gradients, in its order."""
+    from ampfused.ops import cuda as cuda_ops
+    mod = _native.module("cuda")
+    chunk, tile, most, shift = mod.STEP_CHUNK, mod.TILE, mod.MAX_PARTIALS_PER_TENSOR, mod.WORK_SHIFT
+    assert mod.TABLE_COLS == 4 and chunk % 8 == 0 and chunk & (chunk - 1) == 0 and shift == 32
+    numels = [5, _native.NO_GRAD, 0, chunk, chunk + 1, 3 * chunk - 1, tile * most + 1, 1]
+    rows = []
+    for k, n in enumerate(numels):
+        rows += [0x1000 * (k + 1), 0x9000 * (k + 1) if n != _native.NO_GRAD else 0, n, 64 * k]
+    host, num_chunks, num_columns = cuda_ops.work_lists(rows, chunk, tile, most, shift)
+    active = [(k, n) for k, n in enumerate(numels) if n != _native.NO_GRAD]
+    chunks = [(k << 32) | c for k, n in active for c in range(-(-n // chunk))]
+    columns = [(k << 32) | j for k, n in active for j in range(min(-(-n // tile), most))]
+    assert host.dtype == torch.int64 and host.tolist() == rows + chunks + columns
+    assert (num_chunks, num_columns) == (len(chunks), len(columns)) == (1 + 1 + 2 + 3 + 129 + 1, len(columns))
+    assert num_columns == mod.num_partials([n for _, n in active])
+    empty, nc, ncol = cuda_ops.work_lists([], chunk, tile, most, shift)
+    assert empty.numel() == nc == ncol == 0
+
+
 def test_missing_and_stale_builds_say_how_to_rebuild(monkeypatch):
     monkeypatch.setattr(_native, "_cache", {})
     monkeypatch.setattr(_native, "_errors", {})

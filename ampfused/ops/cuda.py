@@ -1,31 +1,50 @@
 """The ``cuda`` backend: the ops on CUDA tensors through ``ampfused._C_cuda``.
 
 K1 (``norm_check``/``unscale_``): a bounded grid, one block per partial; a tensor of ``n`` elements gets
-``min(ceil(n / TILE), MAX_PARTIALS_PER_TENSOR)`` partials whose bits depend only on the data and sizes.
-K2 (the step): every block reduces all partials in the same fixed order, returns at once on found_inf, and
-updates its share with 128-bit loads and stores; the last block done advances ``step``. With
-``single_launch=True`` (an option of :meth:`CudaBackend.adam_step_` / :meth:`CudaBackend.sgd_step_`) one
-cooperative kernel runs K1 over ``grad`` into ``partials`` (then an *output* of shape
-``[2, num_partials([grad.numel()])]``), a grid barrier, then K2: same results as ``norm_check`` followed by
-the two-kernel step. Everything is enqueued on ``torch.cuda.current_stream()``, nothing is allocated
-during a step (the workspace, one int32 block counter per step tensor, is a slab allocated once per device),
-so steps can be captured in CUDA graphs. The math is ``csrc/include/ampfused/math.h``; the specification is
+``min(ceil(n / TILE), MAX_PARTIALS_PER_TENSOR)`` partials whose bits depend only on the data and sizes. A dense
+gradient (any dimension order) is read in memory order where it lives.
+
+K2 (the step) is one launch over all parameters of a step. Their addresses travel in the tensor table
+(``step_args.h``), kept in device memory together with two work lists built from it here: the *chunks* (every
+``STEP_CHUNK`` elements of every parameter that has a gradient, as ``row << WORK_SHIFT | chunk``) and the K1
+*columns* (every partial of those gradients, as ``row << WORK_SHIFT | j``, for ``single_launch``). They are
+cached per step tensor (one per optimizer): a step whose table is the same list of ints as the last one reuses
+the device copy, so a warm step uploads and allocates nothing; a changed table is uploaded, ordered on
+``torch.cuda.current_stream()``; a changed table while a CUDA graph is being captured is an error (a captured
+step must see the tensors of its warm-up). The kernel is a persistent grid (at most the blocks resident on the
+device) whose blocks each reduce all partials in the same order, return at once on found_inf, then walk the
+chunks; the last block done adds 1 to ``steps[i]`` of every parameter with a gradient (an integer arrival
+counter, one per step tensor, in a slab allocated once per device).
+
+With ``single_launch=True`` (an option of :meth:`CudaBackend.adam_step_` / :meth:`CudaBackend.sgd_step_`) one
+cooperative kernel runs K1 over the step's gradients into ``partials`` (then an *output* of shape
+``[2, num_partials([n of each gradient])]``), a grid barrier, then K2: the same bits as ``norm_check`` over the
+gradients followed by the two-kernel step. The math is ``csrc/include/ampfused/math.h``; the specification is
 :mod:`ampfused.ops.reference`.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .. import _native
+from . import checks
 from .cpu import CpuBackend
+from .reference import state_layout
 
+_N = _native
 _SLOTS = 4096
 _slabs: Dict[int, Tensor] = {}  # device index -> int32[_SLOTS] of zeroed block counters
 _slots: Dict[Tuple[int, int], int] = {}  # (device index, address of a step tensor) -> its counter
 _prepared: set = set()
+
+_WORKS_LIMIT = 4096
+_works: Dict[Tuple[int, int], "_Work"] = {}  # (device index, address of a step tensor) -> its cached work
+_kept_for_graphs: List[Tensor] = []  # device work lists that a captured CUDA graph may still read
+stats = {"uploads": 0}  # tensor tables uploaded to a device so far (a warm step uploads none)
+_N_COLS = 4  # columns of the tensor table (step_args.h: kTableCols, the module's TABLE_COLS)
 
 
 def _device_index(device: torch.device) -> int:
@@ -52,6 +71,54 @@ def _counter(step: Tensor) -> int:
     return _slab(step.device).data_ptr() + 4 * slot
 
 
+def _items(rows: Tensor, counts: Tensor, shift: int) -> Tensor:
+    """``row << shift | i`` for ``i`` in ``range(count)``, for each (row, count) in order (host int64)."""
+    first = torch.cumsum(counts, 0) - counts
+    within = torch.arange(int(counts.sum()), dtype=torch.int64) - torch.repeat_interleave(first, counts)
+    return (torch.repeat_interleave(rows, counts) << shift) | within
+
+
+def work_lists(rows: List[int], chunk: int, tile: int, max_partials: int, shift: int) -> Tuple[Tensor, int, int]:
+    """The tensor table (a flat list of ints, see ``_native.step_table``) followed by its chunk list and its
+    K1 column list, as one host int64 tensor; with the number of chunks and of columns."""
+    table = torch.tensor(rows, dtype=torch.int64)
+    numel = table.view(-1, _N_COLS)[:, 2]
+    active = torch.nonzero(numel != _N.NO_GRAD).flatten()
+    n = numel[active]
+    chunks = _items(active, (n + chunk - 1) // chunk, shift)
+    columns = _items(active, torch.clamp((n + tile - 1) // tile, max=max_partials), shift)
+    return torch.cat([table, chunks, columns]), chunks.numel(), columns.numel()
+
+
+class _Work:
+    """The device copy of one step's tensor table and work lists (one int64 tensor: table, chunks, columns)."""
+
+    __slots__ = ("rows", "codes", "host", "dev", "table", "chunks", "num_chunks", "columns", "num_columns",
+                 "streams", "captured")
+
+    def __init__(self, rows, codes, host: Tensor, dev: Tensor, num_chunks: int, num_columns: int, stream: int):
+        self.rows, self.codes, self.host, self.dev = rows, codes, host, dev
+        self.table = dev.data_ptr()
+        self.chunks = self.table + 8 * len(rows)
+        self.num_chunks = num_chunks
+        self.columns = self.chunks + 8 * num_chunks
+        self.num_columns = num_columns
+        self.streams = {stream}  # streams whose kernels may read dev (it was allocated on the first)
+        self.captured = False  # read by a captured graph: must outlive this cache entry
+
+
+def _retire(work: "_Work") -> None:
+    if work.captured:
+        _kept_for_graphs.append(work.dev)
+
+
+def _capturing(index: int) -> bool:
+    if index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(index):
+        return torch.cuda.is_current_stream_capturing()
+
+
 class CudaBackend(CpuBackend):
     name = "cuda"
     kind = "cuda"
@@ -76,42 +143,141 @@ class CudaBackend(CpuBackend):
             _prepared.add(index)
         return (index, torch.cuda.current_stream(device).cuda_stream)
 
+    # ---- K1 ------------------------------------------------------------------------------------------
+    def _k1(self, grads: List[Tensor], inv_scale: Tensor, unscale: bool) -> Tensor:
+        """K1 over each gradient where it lives, in memory order (a copy only for a non-dense gradient)."""
+        _N.check_grads(grads, inv_scale, self.name)
+        work = [g if checks.is_dense(g) else g.contiguous() for g in grads]
+        numels = [g.numel() for g in work]
+        p = self.num_partials(numels)
+        partials = torch.empty(2, p, dtype=torch.float32, device=inv_scale.device)
+        self._mod().norm_check([g.data_ptr() for g in work], numels, [_N.DTYPE_CODES[g.dtype] for g in work],
+                               inv_scale.data_ptr(), partials.data_ptr(), p, unscale,
+                               *self._device_args(inv_scale.device))
+        if unscale:  # non-dense gradients were unscaled in a contiguous copy
+            for g, w in zip(grads, work):
+                if w is not g:
+                    g.copy_(w)
+        return partials
+
     def _update_scale(self, scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval):
         self._mod().update_scale(scale.data_ptr(), growth_tracker.data_ptr(), found_inf.data_ptr(), growth_factor,
                                  backoff_factor, growth_interval, *self._device_args(scale.device))
 
-    def _step_tail(self, step: Tensor, single_launch: bool) -> list:
-        return [*self._device_args(step.device), _counter(step), bool(single_launch)]
+    # ---- the step ------------------------------------------------------------------------------------
+    def _work(self, params, grads, offsets, codes, steps: Tensor, check) -> _Work:
+        """The cached device work of this step, uploaded first when its table changed (``check`` validates the
+        tensors before a new table is built)."""
+        rows = _N.step_table(params, grads, offsets)
+        index = _device_index(steps.device)
+        key = (index, steps.data_ptr())
+        stream = torch.cuda.current_stream(steps.device)
+        capturing = _capturing(index)
+        work = _works.get(key)
+        if work is None or work.rows != rows or work.codes != codes:
+            if capturing:
+                raise RuntimeError(
+                    "the cuda backend cannot upload a new tensor table while a CUDA graph is being captured: the "
+                    "parameters and gradients of this step (their addresses, sizes, dtypes, or which gradients are "
+                    "None) are not those of the last step run eagerly with these step counts; run one step eagerly "
+                    "with exactly these tensors before capturing it (the usual warm-up)")
+            check()
+            mod = self._mod()
+            host, num_chunks, num_columns = work_lists(rows, mod.STEP_CHUNK, mod.TILE, mod.MAX_PARTIALS_PER_TENSOR,
+                                                       mod.WORK_SHIFT)
+            dev = torch.empty(host.numel(), dtype=torch.int64, device=steps.device)
+            dev.copy_(host, non_blocking=True)  # ordered on the current stream; no host synchronisation
+            stats["uploads"] += 1
+            new = _Work(rows, codes, host, dev, num_chunks, num_columns, stream.cuda_stream)
+            old = _works.pop(key, None)
+            if old is not None:
+                _retire(old)
+            if len(_works) >= _WORKS_LIMIT:  # thousands of step tensors: start over
+                for w in _works.values():
+                    _retire(w)
+                _works.clear()
+            work = _works[key] = new
+        elif stream.cuda_stream not in work.streams:  # freed later only after this stream's use of it
+            work.dev.record_stream(stream)
+            work.streams.add(stream.cuda_stream)
+        if capturing:
+            work.captured = True
+        return work
 
-    def adam_step_(self, param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr, out_stats,
+    def _prepare_step(self, params, grads, master: Optional[Tensor], states, steps: Tensor, partials: Tensor,
+                      inv_scale: Tensor, lr: Tensor, out_stats: Tensor, single_launch: bool):
+        """Checks what the kernel relies on; returns the module's arguments before the state addresses, between
+        them and the hyperparameters, and after those, and the partials as the kernel reads them (a tensor that
+        must live until the launch is enqueued)."""
+        for name, x in (("params", params), ("grads", grads)):
+            if not isinstance(x, (list, tuple)):
+                raise TypeError(f"{name} must be a list (one entry per parameter) for the {self.name} backend, got "
+                                f"{type(x).__name__} (ampfused.ops accepts a single tensor and makes it a list)")
+        params, grads = list(params), list(grads)
+        if not isinstance(steps, Tensor) or steps.device.type != "cuda":
+            where = steps.device if isinstance(steps, Tensor) else type(steps).__name__
+            raise ValueError(f"steps must be on a CUDA device for the {self.name} backend, got {where}")
+        if len(grads) != len(params) or steps.dim() != 1 or steps.numel() != len(params) or not steps.is_contiguous():
+            raise ValueError(f"params, grads and steps must have one entry per parameter, got {len(params)} params, "
+                             f"{len(grads)} grads and steps of shape {tuple(steps.shape)}")
+        _N.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
+        dev = steps.device
+        offsets, total = state_layout([p.numel() for p in params])
+        for name, t in [("master", master)] + list(states):
+            if t is None:
+                continue
+            _N.check_device(name, t, dev)
+            if t.dim() != 1 or not t.is_contiguous() or t.numel() != total:
+                raise ValueError(f"{name} must be a contiguous 1-D flat buffer of {total} elements (state_layout of "
+                                 f"the params), got shape {tuple(t.shape)}, stride {t.stride()}")
+        _N.check_device("partials", partials, dev)
+        if partials.dtype != torch.float32 or partials.dim() != 2 or partials.shape[0] != 2:
+            raise ValueError(f"partials must be a float32 [2, P] tensor, got {partials.dtype} {tuple(partials.shape)}")
+        _N.check_device("out_stats", out_stats, dev)
+        if out_stats.dtype != torch.float32 or out_stats.numel() != 2 or not out_stats.is_contiguous():
+            raise ValueError(f"out_stats must be a contiguous float32 tensor of 2 elements, got {out_stats.dtype} "
+                             f"{tuple(out_stats.shape)}")
+        pcode = _N.DTYPE_CODES[params[0].dtype] if params else 0
+        gcode = _N.grad_code(grads)
+
+        def check():
+            checks.step_inputs(params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
+
+        work = self._work(params, grads, offsets, (pcode, gcode), steps, check)
+        if single_launch and (tuple(partials.shape) != (2, work.num_columns) or not partials.is_contiguous()):
+            raise ValueError(f"partials must be a contiguous [2, {work.num_columns}] tensor with single_launch=True "
+                             "(the kernel writes the partials of the step's gradients into it, as norm_check "
+                             f"would), got shape {tuple(partials.shape)}, stride {partials.stride()}")
+        part = _N.partials_arg(partials)
+        head = [work.table, len(params), pcode, gcode, _N.ptr(master)]
+        tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], part.data_ptr(), part.shape[1], inv_scale.data_ptr(),
+                lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr()]
+        launch = [*self._device_args(dev), work.chunks, work.num_chunks, work.columns, work.num_columns,
+                  _counter(steps), bool(single_launch)]
+        return head, tail, launch, part
+
+    def adam_step_(self, params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
                    beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize=False, *,
                    single_launch: bool = False) -> None:
-        """Adam/AdamW step; ``single_launch=True`` fuses K1 over ``grad`` (writing ``partials``) into it."""
-        if single_launch and isinstance(grad, Tensor):
-            self._check_single_launch(grad, partials)
-        super().adam_step_(param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr, out_stats, beta1,
-                           beta2, eps, weight_decay, max_norm, decoupled, maximize, single_launch=single_launch)
+        """Adam/AdamW step; ``single_launch=True`` fuses K1 over the gradients (writing ``partials``) into it."""
+        states = [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
+        head, tail, launch, _part = self._prepare_step(params, grads, master, states, steps, partials, inv_scale,
+                                                       lr, out_stats, single_launch)
+        self._mod().adam_step(*head, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), *tail, float(beta1), float(beta2),
+                              float(eps), float(weight_decay), float(max_norm), bool(decoupled), bool(maximize),
+                              *launch)
 
-    def sgd_step_(self, param, grad, master, momentum_buf, step, partials, inv_scale, lr, out_stats, momentum,
+    def sgd_step_(self, params, grads, master, momentum_buf, steps, partials, inv_scale, lr, out_stats, momentum,
                   dampening, weight_decay, nesterov, max_norm, maximize=False, *, single_launch: bool = False) -> None:
-        """SGD step; ``single_launch=True`` fuses K1 over ``grad`` (writing ``partials``) into it."""
-        if single_launch and isinstance(grad, Tensor):
-            self._check_single_launch(grad, partials)
-        super().sgd_step_(param, grad, master, momentum_buf, step, partials, inv_scale, lr, out_stats, momentum,
-                          dampening, weight_decay, nesterov, max_norm, maximize, single_launch=single_launch)
-
-    def _check_single_launch(self, grad: Tensor, partials: Tensor) -> None:
-        want = self.num_partials([grad.numel()])
-        if not isinstance(partials, Tensor) or tuple(partials.shape) != (2, want) or not partials.is_contiguous():
-            got = tuple(partials.shape) if isinstance(partials, Tensor) else type(partials).__name__
-            raise ValueError(f"partials must be a contiguous [2, {want}] tensor with single_launch=True (the kernel "
-                             f"writes grad's partials into it), got {got}")
-
-    def _launch_adam(self, args, step, single_launch: bool = False):
-        self._mod().adam_step(*args, *self._step_tail(step, single_launch))
-
-    def _launch_sgd(self, args, step, single_launch: bool = False):
-        self._mod().sgd_step(*args, *self._step_tail(step, single_launch))
+        """SGD step; ``single_launch=True`` fuses K1 over the gradients (writing ``partials``) into it."""
+        if momentum != 0 and momentum_buf is None:
+            raise ValueError("momentum_buf is required when momentum != 0")
+        buf = momentum_buf if momentum != 0 else None
+        states = [("momentum_buf", buf)] if buf is not None else []
+        head, tail, launch, _part = self._prepare_step(params, grads, master, states, steps, partials, inv_scale,
+                                                       lr, out_stats, single_launch)
+        self._mod().sgd_step(*head, _N.ptr(buf), *tail, float(momentum), float(dampening), float(weight_decay),
+                             bool(nesterov), float(max_norm), bool(maximize), *launch)
 
 
 BACKEND = CudaBackend()

@@ -1,4 +1,4 @@
-// Adam / AdamW step (K2 and single launch): the per-element math is adam_update in math.h.
+// Adam / AdamW step (K2 and single launch) over a tensor table: the per-element math is adam_update in math.h.
 #include "step.cuh"
 
 namespace ampfused {
@@ -17,9 +17,9 @@ struct AdamOp {
 
 }  // namespace
 
-std::string adam_step(int device, uintptr_t stream, const StepArgs& args, const AdamHyper& h, int32_t* counter,
-                      bool single_launch) {
-  return launch_step<AdamOp>(device, stream, args, h, counter, single_launch);
+std::string adam_step(int device, uintptr_t stream, const StepArgs& args, const WorkList& work, const AdamHyper& h,
+                      int32_t* counter, bool single_launch) {
+  return launch_step<AdamOp>(device, stream, args, work, h, counter, single_launch);
 }
 
 std::string prepare_adam(int device) { return prepare_step<AdamOp>(device); }

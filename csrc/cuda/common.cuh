@@ -1,5 +1,6 @@
 // Device helpers shared by the CUDA kernels: 128-bit vector loads/stores of 8 elements, the K1 body
-// (sum of squares + non-finite test of one partial), deterministic block reductions, K2's prologue.
+// (sum of squares + non-finite test of one partial), deterministic block reductions, K2's prologue and its
+// advance of the step counts.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -131,7 +132,6 @@ __device__ __forceinline__ void k1_write_partial(T* p, int64_t n, int64_t nparts
 
 struct Prologue {
   float norm, coef, lr;
-  double step;
   int skip;
 };
 
@@ -152,7 +152,6 @@ __device__ __forceinline__ void step_prologue(const StepArgs& a, double max_norm
     out->skip = flag ? 1 : 0;
     out->coef = step_coef(*a.inv_scale, norm, max_norm);
     out->lr = float(read_scalar(a.lr, a.lr_code));
-    out->step = read_scalar(a.step, a.step_code);
     if (blockIdx.x == 0) {
       a.out_stats[0] = norm;
       a.out_stats[1] = flag ? 1.0f : 0.0f;
@@ -161,13 +160,25 @@ __device__ __forceinline__ void step_prologue(const StepArgs& a, double max_norm
   __syncthreads();
 }
 
-// Called by thread 0 of every block after its prologue read `step`: the last block to arrive adds 1
-// (no block reads step afterwards) and re-zeroes the counter for the next launch.
-__device__ __forceinline__ void count_and_advance_step(const StepArgs& a, int32_t* counter) {
-  __threadfence();
-  if (atomicAdd(counter, 1) == int(gridDim.x) - 1) {
-    add_one(a.step, a.step_code);
-    *counter = 0;
+// Called by every thread of every block of a step that is not skipped, once the block has read all the step
+// counts it needs (thread 0 reads them). The last block to arrive adds 1 to the count of every parameter
+// that has a gradient (its threads share the rows) and re-zeroes the counter for the next launch. No block
+// reads a count after arriving, so no count is read after it changed.
+__device__ __forceinline__ void count_and_advance_steps(const StepArgs& a, int32_t* counter) {
+  __shared__ int last;
+  __syncthreads();  // the block's reads of the counts are done (thread 0 made them)
+  if (threadIdx.x == 0) {
+    __threadfence();  // release: this block's reads come before its arrival
+    last = atomicAdd(counter, 1) == int(gridDim.x) - 1 ? 1 : 0;
+    if (last) {
+      *counter = 0;     // every block has arrived: nobody else touches it in this launch
+      __threadfence();  // acquire: the counts change only after every other block's arrival
+    }
+  }
+  __syncthreads();
+  if (!last) return;
+  for (int64_t k = threadIdx.x; k < a.count; k += kThreads) {
+    if (a.table[k * kTableCols + kColNumel] != kNoGrad) add_one(scalar_at(a.steps, a.step_code, k), a.step_code);
   }
 }
 

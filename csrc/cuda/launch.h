@@ -26,6 +26,31 @@ AF_HD int64_t partials_of(int64_t n) {
   return tiles < kMaxPartials ? tiles : kMaxPartials;
 }
 
+// K2 geometry: the elements of each parameter (memory order) are cut into chunks of kStepChunk, a unit of
+// work for one block. A chunk starts at a multiple of kVec elements, so a chunk of a 16-byte aligned
+// parameter is 16-byte aligned too (and so is its slice of the flat state buffers, whose offsets are
+// multiples of 4 fp32).
+constexpr int64_t kStepChunk = 16384;
+static_assert(kStepChunk % kVec == 0 && (kStepChunk & (kStepChunk - 1)) == 0, "a power of two, whole vectors");
+
+// A work item names one table row and one unit of work of that row: (row << kWorkShift) | index, built in
+// Python (ampfused/ops/cuda.py), read here.
+constexpr int kWorkShift = 32;
+AF_HD int64_t work_row(int64_t item) { return item >> kWorkShift; }
+AF_HD int64_t work_index(int64_t item) { return item & ((int64_t(1) << kWorkShift) - 1); }
+
+// The work of a step, in device memory next to the tensor table, built and cached by ampfused/ops/cuda.py:
+//   chunks:  one item per chunk of every parameter that has a gradient, rows in order, chunks in order
+//            (index = chunk number: elements [index * kStepChunk, min(n, (index + 1) * kStepChunk)));
+//   columns: one item per K1 partial of those gradients (index = j, the partial's number within its tensor),
+//            rows in order: column q of the partials is item q, the layout norm_check gives the same list.
+struct WorkList {
+  const int64_t* chunks = nullptr;
+  int64_t num_chunks = 0;
+  const int64_t* columns = nullptr;
+  int64_t num_columns = 0;
+};
+
 struct Tensor1 {
   void* ptr;
   int64_t n;
@@ -44,13 +69,14 @@ std::string prepare(int device);
 std::string norm_check(int device, uintptr_t stream, const Tensor1* tensors, int64_t count, const float* inv_scale,
                        float* partials, int64_t num_partials, bool unscale);
 
+// One launch over every parameter of args.table (device memory), driven by `work` (device memory).
 // `counter`: a zeroed int32 of device workspace, one per step tensor; the kernel leaves it zero.
-// single_launch: K1 over grad into args.partials (then an output of [2, partials_of(n)]), a grid
+// single_launch: K1 over the gradients into args.partials (then an output of [2, work.num_columns]), a grid
 // barrier, then the step, in one cooperative launch.
-std::string adam_step(int device, uintptr_t stream, const StepArgs& args, const AdamHyper& h, int32_t* counter,
-                      bool single_launch);
-std::string sgd_step(int device, uintptr_t stream, const StepArgs& args, const SgdHyper& h, int32_t* counter,
-                     bool single_launch);
+std::string adam_step(int device, uintptr_t stream, const StepArgs& args, const WorkList& work, const AdamHyper& h,
+                      int32_t* counter, bool single_launch);
+std::string sgd_step(int device, uintptr_t stream, const StepArgs& args, const WorkList& work, const SgdHyper& h,
+                     int32_t* counter, bool single_launch);
 
 std::string update_scale(int device, uintptr_t stream, float* scale, int32_t* growth_tracker, const float* found_inf,
                          double growth_factor, double backoff_factor, int64_t growth_interval);

@@ -1,7 +1,8 @@
 // ampfused._C_cuda: the CUDA backend. Torch-free: device addresses (Python ints), sizes, dtype codes,
 // the device index and a stream handle (torch: torch.cuda.current_stream().cuda_stream). cudart is
 // linked statically, so importing this module needs no GPU or driver; calls then raise with the reason.
-// ampfused/ops/cuda.py validates the tensors before any call.
+// ampfused/ops/cuda.py validates the tensors, and builds the tensor table and the work lists of a step in
+// device memory, before any call.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -29,7 +30,6 @@ using namespace ampfused;
 
 namespace {
 
-
 void check(const std::string& err) {
   if (!err.empty()) throw std::runtime_error("ampfused CUDA kernel: " + err);
 }
@@ -52,36 +52,51 @@ void norm_check(const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& 
                          unscale));
 }
 
-void check_single_launch(const StepArgs& a, bool single_launch) {
-  if (single_launch && a.num_partials != cuda::partials_of(a.n)) {
-    throw std::invalid_argument("single_launch: partials (an output here) must have " +
-                                std::to_string(cuda::partials_of(a.n)) + " columns, got " +
+// What the launch relies on beyond the checks in ampfused/ops/cuda.py (which run first).
+cuda::WorkList work_list(const StepArgs& a, uintptr_t chunks, int64_t num_chunks, uintptr_t columns,
+                         int64_t num_columns, bool single_launch) {
+  if (a.count < 0 || num_chunks < 0 || num_columns < 0) throw std::invalid_argument("negative table or work size");
+  if (a.count >= (int64_t(1) << 31)) throw std::invalid_argument("too many parameters for one step (2^31 or more)");
+  if ((a.count > 0 && a.table == nullptr) || (num_chunks > 0 && chunks == 0) || (num_columns > 0 && columns == 0)) {
+    throw std::invalid_argument("null tensor table or work list");
+  }
+  if (single_launch && a.num_partials != num_columns) {
+    throw std::invalid_argument("single_launch: partials (an output here) must have " + std::to_string(num_columns) +
+                                " columns (the partials of the step's gradients), got " +
                                 std::to_string(a.num_partials));
   }
+  cuda::WorkList w;
+  w.chunks = addr<const int64_t>(chunks);
+  w.num_chunks = num_chunks;
+  w.columns = addr<const int64_t>(columns);
+  w.num_columns = num_columns;
+  return w;
 }
 
-void adam_step(uintptr_t param, int param_dtype, uintptr_t grad, int grad_dtype, uintptr_t master, uintptr_t exp_avg,
-               uintptr_t exp_avg_sq, int64_t n, uintptr_t step, int step_code, uintptr_t partials, int64_t P,
+void adam_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master, uintptr_t exp_avg,
+               uintptr_t exp_avg_sq, uintptr_t steps, int step_code, uintptr_t partials, int64_t P,
                uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double beta1, double beta2,
                double eps, double weight_decay, double max_norm, bool decoupled, bool maximize, int device,
-               uintptr_t stream, uintptr_t counter, bool single_launch) {
-  const StepArgs a = step_args(param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, n, step, step_code,
+               uintptr_t stream, uintptr_t chunks, int64_t num_chunks, uintptr_t columns, int64_t num_columns,
+               uintptr_t counter, bool single_launch) {
+  const StepArgs a = step_args(table, count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq, steps, step_code,
                                partials, P, inv_scale, lr, lr_code, out_stats);
-  check_single_launch(a, single_launch);
+  const cuda::WorkList w = work_list(a, chunks, num_chunks, columns, num_columns, single_launch);
   const AdamHyper h{beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize};
-  check(cuda::adam_step(device, stream, a, h, addr<int32_t>(counter), single_launch));
+  check(cuda::adam_step(device, stream, a, w, h, addr<int32_t>(counter), single_launch));
 }
 
-void sgd_step(uintptr_t param, int param_dtype, uintptr_t grad, int grad_dtype, uintptr_t master,
-              uintptr_t momentum_buf, int64_t n, uintptr_t step, int step_code, uintptr_t partials, int64_t P,
+void sgd_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
+              uintptr_t momentum_buf, uintptr_t steps, int step_code, uintptr_t partials, int64_t P,
               uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double momentum, double dampening,
               double weight_decay, bool nesterov, double max_norm, bool maximize, int device, uintptr_t stream,
-              uintptr_t counter, bool single_launch) {
-  const StepArgs a = step_args(param, param_dtype, grad, grad_dtype, master, momentum != 0.0 ? momentum_buf : 0, 0,
-                               n, step, step_code, partials, P, inv_scale, lr, lr_code, out_stats);
-  check_single_launch(a, single_launch);
+              uintptr_t chunks, int64_t num_chunks, uintptr_t columns, int64_t num_columns, uintptr_t counter,
+              bool single_launch) {
+  const StepArgs a = step_args(table, count, param_dtype, grad_dtype, master, momentum != 0.0 ? momentum_buf : 0, 0,
+                               steps, step_code, partials, P, inv_scale, lr, lr_code, out_stats);
+  const cuda::WorkList w = work_list(a, chunks, num_chunks, columns, num_columns, single_launch);
   const SgdHyper h{momentum, dampening, weight_decay, max_norm, nesterov, maximize};
-  check(cuda::sgd_step(device, stream, a, h, addr<int32_t>(counter), single_launch));
+  check(cuda::sgd_step(device, stream, a, w, h, addr<int32_t>(counter), single_launch));
 }
 
 void update_scale_op(uintptr_t scale, uintptr_t growth_tracker, uintptr_t found_inf, double growth_factor,
@@ -100,6 +115,7 @@ py::dict build_info() {
   d["nvcc"] = AMPFUSED_NVCC_VERSION;
   d["archs"] = AMPFUSED_CUDA_ARCHS;
   d["cudart"] = "static";
+  d["step_chunk"] = cuda::kStepChunk;
   return d;
 }
 
@@ -110,6 +126,9 @@ PYBIND11_MODULE(_C_cuda, m) {
   m.attr("__version__") = AMPFUSED_VERSION;
   m.attr("MAX_PARTIALS_PER_TENSOR") = cuda::kMaxPartials;
   m.attr("TILE") = cuda::kTile;
+  m.attr("STEP_CHUNK") = cuda::kStepChunk;
+  m.attr("WORK_SHIFT") = cuda::kWorkShift;
+  m.attr("TABLE_COLS") = kTableCols;
   m.def("build_info", &build_info);
   m.def("device_status", &cuda::device_status, "'' when a CUDA device can run the kernels, else why not");
   m.def("driver_version", &cuda::driver_version);

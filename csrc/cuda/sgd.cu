@@ -1,4 +1,4 @@
-// SGD step (K2 and single launch): the per-element math is sgd_update in math.h.
+// SGD step (K2 and single launch) over a tensor table: the per-element math is sgd_update in math.h.
 #include "step.cuh"
 
 namespace ampfused {
@@ -17,9 +17,9 @@ struct SgdOp {
 
 }  // namespace
 
-std::string sgd_step(int device, uintptr_t stream, const StepArgs& args, const SgdHyper& h, int32_t* counter,
-                     bool single_launch) {
-  return launch_step<SgdOp>(device, stream, args, h, counter, single_launch);
+std::string sgd_step(int device, uintptr_t stream, const StepArgs& args, const WorkList& work, const SgdHyper& h,
+                    int32_t* counter, bool single_launch) {
+  return launch_step<SgdOp>(device, stream, args, work, h, counter, single_launch);
 }
 
 std::string prepare_sgd(int device) { return prepare_step<SgdOp>(device); }

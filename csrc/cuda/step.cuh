@@ -1,16 +1,22 @@
-// K2 (the optimizer step over flat buffers) and its single-launch variant, for any optimizer `Op`:
+// K2 (the optimizer step over the parameters of a tensor table) and its single-launch variant, for any
+// optimizer `Op`:
 //
 //   Op::Hyper, Op::Consts
-//   Op::make(coef, lr, step, hyper) -> Consts            (per-step constants, math.h)
+//   Op::make(coef, lr, step, hyper) -> Consts            (per-parameter constants, math.h)
 //   Op::apply(g, w, s1, s2, consts)                        (one element, math.h)
 //
-// Two-kernel path: K1 already wrote the partials; every block of K2 reduces them (same order in every
-// block), returns at once on found_inf, else updates its grid-stride share of 8-element groups with
-// 128-bit loads and stores (16-byte aligned buffers, checked in Python), and the last block done
-// advances `step` (an integer counter; no floating-point atomics).
-// Single launch: a cooperative grid computes K1 over grad into the partials, waits at a grid barrier,
-// then runs the same K2 body; its partials are bit-identical to K1's (same geometry), so both paths
-// give the same bits.
+// Two-kernel path: K1 already wrote the partials. A persistent grid (at most the blocks that fit on the
+// device at once) runs; every block reduces all partials (same order in every block) and returns at once
+// on found_inf, else takes the chunks c = blockIdx.x, c + gridDim.x, ... of the work list. For each chunk,
+// thread 0 reads its table row and, when the row differs from the block's previous chunk, derives that
+// parameter's constants from its own step count; then the block updates the chunk's elements in memory
+// order, 8 at a time with 128-bit loads and stores when the parameter and its gradient are 16-byte aligned
+// (the flat state buffers always are), one at a time otherwise; the n % 8 elements after a parameter's last
+// full vector go one at a time. The last block to finish adds 1 to the step count of every parameter that
+// has a gradient (an integer arrival counter; no floating-point atomics).
+// Single launch: a cooperative grid computes K1 over the gradients into the partials (the columns of
+// norm_check over the same gradients), waits at a grid barrier, then runs the same K2 body; its partials are
+// bit-identical to K1's, so both paths give the same bits.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -22,56 +28,52 @@
 namespace ampfused {
 namespace cuda {
 
-// single_launch is a kernel argument, not a template parameter: one kernel per type pair serves both
-// paths (the barrier is reached only in a cooperative launch) and the build stays small.
-template <typename G, typename P, typename Op>
-__global__ void __launch_bounds__(kThreads) step_kernel(const StepArgs a, const typename Op::Hyper h,
-                                                        int32_t* __restrict__ counter, const int single_launch) {
-  if (single_launch) {
-    const int64_t nparts = partials_of(a.n);
-    float* partials = const_cast<float*>(a.partials);
-    for (int64_t j = blockIdx.x; j < nparts; j += gridDim.x) {
-      k1_write_partial<G, false>(const_cast<G*>(static_cast<const G*>(a.grad)), a.n, nparts, j, *a.inv_scale,
-                                 partials, nparts, j);
-    }
-    cooperative_groups::this_grid().sync();
-  }
-  __shared__ Prologue pro;
-  step_prologue(a, h.max_norm, &pro);
-  if (pro.skip) return;  // a skipped step changes nothing
-  __shared__ typename Op::Consts consts;
-  if (threadIdx.x == 0) {
-    consts = Op::make(pro.coef, pro.lr, pro.step, h);
-    count_and_advance_step(a, counter);
-  }
-  __syncthreads();
-  const typename Op::Consts c = consts;
+// The parameter of a block's current chunk, set by thread 0 and read by the whole block.
+template <typename Consts>
+struct ChunkRow {
+  Consts consts;    // from this parameter's step count
+  const void* grad;
+  void* param;
+  int64_t n;        // elements
+  int64_t offset;   // of its first element in master / state1 / state2
+  int64_t row;      // table row; -1 before the first chunk
+  int64_t lo;       // first element of the chunk
+};
 
-  const G* __restrict__ grad = static_cast<const G*>(a.grad);
-  P* __restrict__ param = static_cast<P*>(a.param);
+// Elements [lo, min(n, lo + kStepChunk)) of one parameter, in memory order, by the whole block.
+template <typename G, typename P, typename Op>
+__device__ __forceinline__ void update_chunk(const StepArgs& a, const G* __restrict__ grad, P* __restrict__ param,
+                                             int64_t n, int64_t offset, int64_t lo, const typename Op::Consts& c) {
+  const int64_t hi = n < lo + kStepChunk ? n : lo + kStepChunk;
   const bool has_master = a.master != nullptr;
-  float* __restrict__ w = has_master ? a.master : reinterpret_cast<float*>(a.param);
-  float* __restrict__ s1 = a.state1;
-  float* __restrict__ s2 = a.state2;
-  const int64_t groups = a.n / kVec;
-  const int64_t stride = int64_t(gridDim.x) * kThreads;
-  for (int64_t gi = int64_t(blockIdx.x) * kThreads + threadIdx.x; gi < groups; gi += stride) {
-    const int64_t off = gi * kVec;
-    float g[kVec], wv[kVec], v1[kVec], v2[kVec];
-    load8(grad + off, g);
-    load8(w + off, wv);
-    if (s1) load8(s1 + off, v1);
-    if (s2) load8(s2 + off, v2);
+  // without a master the parameters are the fp32 compute copy (P is float then)
+  float* __restrict__ w = has_master ? a.master + offset : reinterpret_cast<float*>(param);
+  float* __restrict__ s1 = a.state1 ? a.state1 + offset : nullptr;
+  float* __restrict__ s2 = a.state2 ? a.state2 + offset : nullptr;
+  // lo is a multiple of kVec, and offset of 4 fp32: an aligned parameter and gradient make every pointer
+  // below 16-byte aligned at lo + 8k (checked in Python: the flat buffers start 16-byte aligned)
+  const bool aligned = ((reinterpret_cast<uintptr_t>(param) | reinterpret_cast<uintptr_t>(grad)) & 15u) == 0;
+  int64_t first_scalar = lo;
+  if (aligned) {
+    const int64_t groups = (hi - lo) / kVec;
+    for (int64_t gi = threadIdx.x; gi < groups; gi += kThreads) {
+      const int64_t off = lo + gi * kVec;
+      float g[kVec], wv[kVec], v1[kVec], v2[kVec];
+      load8(grad + off, g);
+      load8(w + off, wv);
+      if (s1) load8(s1 + off, v1);
+      if (s2) load8(s2 + off, v2);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) Op::apply(g[k], wv[k], v1[k], v2[k], c);
-    store8(w + off, wv);
-    if (s1) store8(s1 + off, v1);
-    if (s2) store8(s2 + off, v2);
-    if (has_master) store8(param + off, wv);
+      for (int k = 0; k < kVec; ++k) Op::apply(g[k], wv[k], v1[k], v2[k], c);
+      store8(w + off, wv);
+      if (s1) store8(s1 + off, v1);
+      if (s2) store8(s2 + off, v2);
+      if (has_master) store8(param + off, wv);
+    }
+    first_scalar = lo + groups * kVec;
   }
-  // the n % 8 elements after the last full group
-  const int64_t i = groups * kVec + threadIdx.x;
-  if (blockIdx.x == gridDim.x - 1 && i < a.n) {
+  // a misaligned chunk, or the elements after the parameter's last full vector: one element per thread
+  for (int64_t i = first_scalar + threadIdx.x; i < hi; i += kThreads) {
     float wi = w[i], v1i = s1 ? s1[i] : 0.0f, v2i = s2 ? s2[i] : 0.0f;
     Op::apply(to_f32(grad[i]), wi, v1i, v2i, c);
     w[i] = wi;
@@ -79,6 +81,55 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const StepArgs a, const 
     if (s2) s2[i] = v2i;
     if (has_master) param[i] = from_f32<P>(wi);
   }
+}
+
+// single_launch is a kernel argument, not a template parameter: one kernel per type pair serves both
+// paths (the barrier is reached only in a cooperative launch) and the build stays small.
+template <typename G, typename P, typename Op>
+__global__ void __launch_bounds__(kThreads) step_kernel(const StepArgs a, const WorkList work,
+                                                        const typename Op::Hyper h, int32_t* __restrict__ counter,
+                                                        const int single_launch) {
+  if (single_launch) {
+    // K1 over every gradient of the table: column q is partial j of row r (item q of the columns list)
+    float* partials = const_cast<float*>(a.partials);
+    const float inv_scale = *a.inv_scale;
+    for (int64_t q = blockIdx.x; q < work.num_columns; q += gridDim.x) {
+      const int64_t item = work.columns[q];
+      const int64_t* r = a.table + work_row(item) * kTableCols;
+      const int64_t n = r[kColNumel];
+      G* grad = reinterpret_cast<G*>(static_cast<uintptr_t>(r[kColGrad]));
+      k1_write_partial<G, false>(grad, n, partials_of(n), work_index(item), inv_scale, partials, a.num_partials, q);
+    }
+    cooperative_groups::this_grid().sync();
+  }
+  __shared__ Prologue pro;
+  step_prologue(a, h.max_norm, &pro);
+  if (pro.skip) return;  // a skipped step changes nothing (out_stats aside)
+
+  __shared__ ChunkRow<typename Op::Consts> cur;
+  if (threadIdx.x == 0) cur.row = -1;  // read and written by thread 0 only until the barrier below
+  for (int64_t ci = blockIdx.x; ci < work.num_chunks; ci += gridDim.x) {
+    if (threadIdx.x == 0) {
+      const int64_t item = work.chunks[ci];
+      const int64_t row = work_row(item);
+      if (row != cur.row) {
+        const int64_t* r = a.table + row * kTableCols;
+        cur.param = reinterpret_cast<void*>(static_cast<uintptr_t>(r[kColParam]));
+        cur.grad = reinterpret_cast<const void*>(static_cast<uintptr_t>(r[kColGrad]));
+        cur.n = r[kColNumel];
+        cur.offset = r[kColOffset];
+        cur.row = row;
+        cur.consts = Op::make(pro.coef, pro.lr, read_scalar(scalar_at(a.steps, a.step_code, row), a.step_code), h);
+      }
+      cur.lo = work_index(item) * kStepChunk;
+    }
+    __syncthreads();
+    const typename Op::Consts c = cur.consts;
+    update_chunk<G, P, Op>(a, static_cast<const G*>(cur.grad), static_cast<P*>(cur.param), cur.n, cur.offset, cur.lo,
+                           c);
+    __syncthreads();  // everyone is done with `cur` before thread 0 moves it to the next chunk
+  }
+  count_and_advance_steps(a, counter);
 }
 
 // Blocks of step_kernel<G, P, Op> that fit on the device at once (cached per device).
@@ -100,22 +151,24 @@ int resident_blocks(int device) {
 }
 
 template <typename G, typename P, typename Op>
-std::string launch_step_typed(int device, cudaStream_t s, const StepArgs& a, const typename Op::Hyper& h,
-                              int32_t* counter, bool single_launch) {
-  const int64_t groups = a.n / kVec;
-  const int64_t want = std::max<int64_t>(1, (groups + kThreads - 1) / kThreads);
+std::string launch_step_typed(int device, cudaStream_t s, const StepArgs& a, const WorkList& w,
+                              const typename Op::Hyper& h, int32_t* counter, bool single_launch) {
+  // a persistent grid: one block per unit of work, at most the resident blocks, at least one (a step with
+  // no elements still records out_stats and advances the counts of its empty parameters)
+  const int64_t want = single_launch ? std::max(w.num_chunks, w.num_columns) : w.num_chunks;
+  const int64_t resident = resident_blocks<G, P, Op>(device);
+  const int grid = int(std::max<int64_t>(1, std::min(want, resident)));
   auto kernel = step_kernel<G, P, Op>;
-  const int resident = resident_blocks<G, P, Op>(device);
   cudaError_t e;
   if (single_launch) {
-    const int grid = int(std::min<int64_t>(std::max<int64_t>(want, partials_of(a.n)), resident));
     StepArgs args = a;
+    WorkList work = w;
     typename Op::Hyper hyper = h;
     int flag = 1;
-    void* params[] = {&args, &hyper, &counter, &flag};
+    void* params[] = {&args, &work, &hyper, &counter, &flag};
     e = cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(kThreads), params, 0, s);
   } else {
-    kernel<<<int(std::min<int64_t>(want, resident)), kThreads, 0, s>>>(a, h, counter, 0);
+    kernel<<<grid, kThreads, 0, s>>>(a, w, h, counter, 0);
     e = cudaGetLastError();
   }
   return e == cudaSuccess ? std::string() : cuda_error(single_launch ? "cooperative step launch" : "step launch", e);
@@ -131,14 +184,14 @@ void with_type(int code, F&& f) {
 }
 
 template <typename Op>
-std::string launch_step(int device, uintptr_t stream, const StepArgs& a, const typename Op::Hyper& h,
-                        int32_t* counter, bool single_launch) {
+std::string launch_step(int device, uintptr_t stream, const StepArgs& a, const WorkList& w,
+                        const typename Op::Hyper& h, int32_t* counter, bool single_launch) {
   std::string err = use_device(device);
   if (!err.empty()) return err;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   with_type(a.grad_dtype, [&](auto gtag) {
     with_type(a.master ? a.param_dtype : kF32, [&](auto ptag) {
-      err = launch_step_typed<decltype(gtag), decltype(ptag), Op>(device, s, a, h, counter, single_launch);
+      err = launch_step_typed<decltype(gtag), decltype(ptag), Op>(device, s, a, w, h, counter, single_launch);
     });
   });
   return err;
