@@ -175,6 +175,17 @@ def check_step(backend: str, params, grads, master: Optional[Tensor], states, st
     _dtype_rule("steps", steps, tuple(SCALAR_CODES), backend)
 
 
+def check_state_sizes(backend: str, buffers, total: int, device: torch.device) -> None:
+    """The flat buffers a native step writes hold at least the layout's ``total`` elements, on its device."""
+    for name, t in buffers:
+        if t is None:
+            continue
+        check_device(name, t, device)
+        if t.dim() != 1 or not t.is_contiguous() or t.numel() != total:
+            raise ValueError(f"{name} must be a contiguous 1-D flat buffer of {total} elements (state_layout of the "
+                             f"params) for the {backend} backend, got shape {tuple(t.shape)}, stride {t.stride()}")
+
+
 def step_table(params, grads, offsets) -> list:
     """The tensor table of a step as a flat list of ints (``T`` rows of ``TABLE_COLS``): param address,
     grad address, numel (``NO_GRAD`` for a parameter without a gradient), state offset; see step_args.h."""

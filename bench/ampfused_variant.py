@@ -2,9 +2,13 @@
 
 Two ways to drive it, same math:
 
-* ``optimizer`` (default when importable): ``ampfused.FusedAdamW`` over the model's parameters (it flattens
-  them; ``.grad`` become views into one flat gradient buffer), with ``ampfused.GradScaler`` when the package
+* ``optimizer`` (default when importable): ``ampfused.FusedAdamW`` over the model's parameters (which stay
+  where they are; the step reads each ``.grad`` where it is), with ``ampfused.GradScaler`` when the package
   has it, else the optimizer's ``grad_scale`` hook plus ``ops.update_scale_``: no host read either way.
+  Two gradient loops: ``ampfused-<backend>`` refills the same gradient tensors in place, as a loop calling
+  ``zero_grad(set_to_none=False)`` does; ``ampfused-<backend>+none`` sets them to ``None`` before each
+  refill and hands over fresh tensors, as backward does after the default ``zero_grad()`` (the refill, like
+  backward, is outside the timed step).
 * ``functional``: the ops on flat buffers the benchmark owns: ``norm_check`` -> ``adamw_step_`` ->
   ``update_scale_``, i.e. the package's floor without its Python optimizer layer.
 """
@@ -29,9 +33,10 @@ def _inv_scale(scale: Tensor, out: Tensor) -> None:
 
 
 class OptimizerRunner(Runner):
-    def __init__(self, variant: str, backend: str, inst: Instance, params: List[Tensor]):
+    def __init__(self, variant: str, backend: str, inst: Instance, params: List[Tensor], grads_to_none=False):
         super().__init__(variant, backend)
         self.inst = inst
+        self.grads_to_none = grads_to_none
         self.model = [nn.Parameter(p.detach().clone()) for p in params]
         for p in self.model:
             p.grad = torch.zeros_like(p)
@@ -39,7 +44,7 @@ class OptimizerRunner(Runner):
                                        weight_decay=inst.weight_decay,
                                        max_grad_norm=inst.max_norm if inst.clip else None,
                                        master_weights=None, backend=backend)
-        self._grads = [p.grad for p in self.model]  # views into the optimizer's flat gradient buffer
+        self._grads = [p.grad for p in self.model]
         self.scaler = None
         self._scale: Optional[Tensor] = None
         if inst.scaler and hasattr(ampfused, "GradScaler"):
@@ -53,7 +58,12 @@ class OptimizerRunner(Runner):
 
     def set_grads(self, grads: List[Tensor]) -> None:
         with torch.no_grad():
-            torch._foreach_copy_(self._grads, grads)
+            if self.grads_to_none:
+                self.opt.zero_grad(set_to_none=True)
+                for p, g in zip(self.model, grads):
+                    p.grad = torch.empty_like(p).copy_(g)  # a fresh tensor, as backward allocates one
+            else:
+                torch._foreach_copy_(self._grads, grads)
 
     def step(self) -> None:
         if self.scaler is not None:
@@ -82,7 +92,7 @@ class OptimizerRunner(Runner):
                         scale=scale, norm=self.opt.last_grad_norm)
 
     def tensors(self) -> List[Tensor]:
-        out = [p.detach() for p in self.model] + self._grads
+        out = [p.detach() for p in self.model] + [p.grad for p in self.model if p.grad is not None]
         out += [t for s in self.opt.state.values() for t in s.values() if isinstance(t, Tensor)]
         for name in ("_stats", "_one", "_inv_scale"):
             if isinstance(getattr(self.opt, name, None), Tensor):
@@ -144,10 +154,11 @@ class FunctionalRunner(Runner):
 
 
 class AmpfusedVariant(Variant):
-    def __init__(self, backend: str, api: str = "auto"):
+    def __init__(self, backend: str, api: str = "auto", grads_to_none: bool = False):
         super().__init__()
         self.backend = backend
-        self.name = f"ampfused-{backend}"
+        self.grads_to_none = grads_to_none
+        self.name = f"ampfused-{backend}" + ("+none" if grads_to_none else "")
         if api == "auto":
             api = "optimizer" if hasattr(ampfused, "FusedAdamW") else "functional"
         if api not in ("optimizer", "functional"):
@@ -158,8 +169,11 @@ class AmpfusedVariant(Variant):
         reasons = ops.registry.reasons_for(self.backend, inst.device, (inst.grad_dtype, torch.float32))
         if reasons:
             raise Unavailable(f"backend {self.backend!r}: " + "; ".join(reasons))
-        cls = OptimizerRunner if self.api == "optimizer" else FunctionalRunner
-        return cls(self.name, self.backend, inst, params)
+        if self.api == "optimizer":
+            return OptimizerRunner(self.name, self.backend, inst, params, self.grads_to_none)
+        if self.grads_to_none:
+            raise Unavailable("the functional api owns its gradient buffers: no set-to-None loop")
+        return FunctionalRunner(self.name, self.backend, inst, params)
 
 
 def ampfused_backends(device: torch.device) -> List[str]:
@@ -168,4 +182,9 @@ def ampfused_backends(device: torch.device) -> List[str]:
 
 
 def ampfused_variants(device: torch.device, api: str = "auto") -> List[Variant]:
-    return [AmpfusedVariant(b, api) for b in ampfused_backends(device)]
+    """Each backend with gradients refilled in place; the best one also with gradients set to None."""
+    backends = ampfused_backends(device)
+    out = [AmpfusedVariant(b, api) for b in backends]
+    if backends and api != "functional":
+        out.insert(1, AmpfusedVariant(backends[0], api, grads_to_none=True))
+    return out

@@ -512,7 +512,7 @@ BAD_INPUTS = {
     "lr on meta": (_put("lr", lambda t, d: torch.tensor(0.1, device="meta")), ValueError, "lr must be on"),
     "steps int": (_put("steps", lambda t, d: torch.zeros(2, dtype=torch.int64, device=d)), TypeError,
                   "steps must have dtype"),
-    "steps too short": (_put("steps", lambda t, d: t[:1]), ValueError, "steps must have 2 elements"),
+    "steps too short": (_put("steps", lambda t, d: t[:1]), ValueError, r"steps must be a contiguous 1-D tensor with one step count per parameter \(2\)"),
     "bf16 params without master": (_put("master", lambda t, d: None), ValueError, "master"),
     "state aliases master": (lambda t, d: t.update(exp_avg=t["master"]), ValueError,
                              "master and exp_avg must not overlap"),

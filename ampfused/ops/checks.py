@@ -137,6 +137,17 @@ def step_inputs(params: Sequence[Tensor], grads: Sequence[Optional[Tensor]], mas
         raise ValueError("out_stats must be contiguous")
     if dev.type != "meta":
         _no_overlap(params, master, states, steps)
+        seen = {}
+        for i, p in enumerate(params):
+            if p.numel():
+                j = seen.setdefault(p.data_ptr(), i)
+                if j != i:
+                    raise ValueError(f"params[{i}] and params[{j}] are the same memory: each parameter may be given "
+                                     "once (the step would update it twice)")
+        for i, g in enumerate(grads):
+            if g is not None and g.numel() and g.data_ptr() in seen:
+                raise ValueError(f"grads[{i}] is the memory of params[{seen[g.data_ptr()]}]: a gradient must not "
+                                 "share memory with a parameter the step writes")
 
 
 def _span(t: Tensor) -> tuple:

@@ -3,11 +3,13 @@
 K1 (``norm_check``/``unscale_``) keeps one partial per chunk of ``_C.CHUNK`` elements of each gradient,
 so ``num_partials`` depends only on the sizes and the partials, reduced in chunk order by K2's prologue,
 are bitwise identical whatever the thread count. K2 (the step) is one pass: convert, compute in fp32,
-store. The math is ``csrc/include/ampfused/math.h``, the specification :mod:`ampfused.ops.reference`.
-Threads: ``torch.get_num_threads()``; the GIL is released while the kernels run. Every rule the kernels rely
-on is checked here first, with a message naming the tensor: the step's flat buffers (param, grad, master,
-states) must be 1-D, contiguous, of equal size, non-overlapping and 16-byte aligned (a FlatBuffer is);
-gradients given to ``norm_check``/``unscale_`` may be any strided tensors.
+store, over the parameters of the tensor table (``step_args.h``: each parameter and gradient where it lives,
+walked in memory order) and the flat state buffers, split into blocks across threads. The math is
+``csrc/include/ampfused/math.h``, the specification :mod:`ampfused.ops.reference`. Threads:
+``torch.get_num_threads()``; the GIL is released while the kernels run. The public ops check every rule of
+the step first (:func:`ampfused.ops.checks.step_inputs`); this module adds what the native code relies on
+(native dtypes, 16-byte aligned fp32 state buffers of the layout's size). Gradients given to
+``norm_check``/``unscale_`` may be any strided tensors (a non-dense one is read through a contiguous copy).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .. import _native
+from . import checks
 from .reference import state_layout
 from .registry import Backend
 
@@ -24,7 +27,8 @@ _N = _native
 
 
 def _grads_for_kernel(grads: List[Tensor]) -> List[Tensor]:
-    return [g if g.is_contiguous() else g.contiguous() for g in grads]
+    """Each gradient where it lives, walked in memory order (a contiguous copy only for a non-dense one)."""
+    return [g if g.is_contiguous() or checks.is_dense(g) else g.contiguous() for g in grads]
 
 
 class CpuBackend(Backend):
@@ -50,6 +54,8 @@ class CpuBackend(Backend):
         return int(self._mod().num_partials([int(n) for n in numels]))
 
     def _k1(self, grads: List[Tensor], inv_scale: Tensor, unscale: bool) -> Tensor:
+        """K1 over each gradient where it lives, in memory order: a sum of squares and a non-finite test do
+        not depend on the order of the dimensions."""
         _N.check_grads(grads, inv_scale, self.name)
         work = _grads_for_kernel(list(grads))
         numels = [g.numel() for g in work]
@@ -58,7 +64,7 @@ class CpuBackend(Backend):
         self._mod().norm_check([g.data_ptr() for g in work], numels, [_N.DTYPE_CODES[g.dtype] for g in work],
                                inv_scale.data_ptr(), partials.data_ptr(), p, unscale,
                                *self._device_args(inv_scale.device))
-        if unscale:  # non-contiguous gradients were unscaled in a contiguous copy
+        if unscale:  # non-dense gradients were unscaled in a contiguous copy
             for g, w in zip(grads, work):
                 if w is not g:
                     g.copy_(w)
@@ -90,11 +96,12 @@ class CpuBackend(Backend):
         """The tensor table (step_args.h) in memory the kernels can read: host memory here."""
         return torch.tensor(_N.step_table(params, grads, offsets), dtype=torch.int64)
 
-    def _step_head(self, params, grads, master, steps, partials, inv_scale, lr, out_stats):
+    def _step_head(self, params, grads, master, states, steps, partials, inv_scale, lr, out_stats):
         """Leading kernel arguments shared by every step, and the tensors that must outlive the call."""
         params = list(params)
         grads = list(grads)
-        offsets, _ = state_layout([p.numel() for p in params])
+        offsets, total = state_layout([p.numel() for p in params])
+        _N.check_state_sizes(self.name, [("master", master)] + list(states), total, steps.device)
         table = self._table(params, grads, offsets, steps.device)
         partials = _N.partials_arg(partials)
         head = [table.data_ptr(), len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0,
@@ -110,7 +117,8 @@ class CpuBackend(Backend):
         """Adam/AdamW; math and tensors in :func:`ampfused.ops.reference.adam_step_`."""
         _N.check_step(self.name, params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], steps,
                       partials, inv_scale, lr, out_stats)
-        head, tail, keep = self._step_head(params, grads, master, steps, partials, inv_scale, lr, out_stats)
+        head, tail, keep = self._step_head(params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
+                                           steps, partials, inv_scale, lr, out_stats)
         self._launch_adam(head + [exp_avg.data_ptr(), exp_avg_sq.data_ptr()] + tail
                           + [float(beta1), float(beta2), float(eps), float(weight_decay), float(max_norm),
                              bool(decoupled), bool(maximize)], steps, keep, **options)
@@ -130,7 +138,7 @@ class CpuBackend(Backend):
         buf = momentum_buf if momentum != 0 else None
         states = [("momentum_buf", buf)] if buf is not None else []
         _N.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
-        head, tail, keep = self._step_head(params, grads, master, steps, partials, inv_scale, lr, out_stats)
+        head, tail, keep = self._step_head(params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
         self._launch_sgd(head + [_N.ptr(buf)] + tail
                          + [float(momentum), float(dampening), float(weight_decay), bool(nesterov),
                             float(max_norm), bool(maximize)], steps, keep, **options)

@@ -143,23 +143,6 @@ class CudaBackend(CpuBackend):
             _prepared.add(index)
         return (index, torch.cuda.current_stream(device).cuda_stream)
 
-    # ---- K1 ------------------------------------------------------------------------------------------
-    def _k1(self, grads: List[Tensor], inv_scale: Tensor, unscale: bool) -> Tensor:
-        """K1 over each gradient where it lives, in memory order (a copy only for a non-dense gradient)."""
-        _N.check_grads(grads, inv_scale, self.name)
-        work = [g if checks.is_dense(g) else g.contiguous() for g in grads]
-        numels = [g.numel() for g in work]
-        p = self.num_partials(numels)
-        partials = torch.empty(2, p, dtype=torch.float32, device=inv_scale.device)
-        self._mod().norm_check([g.data_ptr() for g in work], numels, [_N.DTYPE_CODES[g.dtype] for g in work],
-                               inv_scale.data_ptr(), partials.data_ptr(), p, unscale,
-                               *self._device_args(inv_scale.device))
-        if unscale:  # non-dense gradients were unscaled in a contiguous copy
-            for g, w in zip(grads, work):
-                if w is not g:
-                    g.copy_(w)
-        return partials
-
     def _update_scale(self, scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval):
         self._mod().update_scale(scale.data_ptr(), growth_tracker.data_ptr(), found_inf.data_ptr(), growth_factor,
                                  backoff_factor, growth_interval, *self._device_args(scale.device))
@@ -223,13 +206,7 @@ class CudaBackend(CpuBackend):
         _N.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
         dev = steps.device
         offsets, total = state_layout([p.numel() for p in params])
-        for name, t in [("master", master)] + list(states):
-            if t is None:
-                continue
-            _N.check_device(name, t, dev)
-            if t.dim() != 1 or not t.is_contiguous() or t.numel() != total:
-                raise ValueError(f"{name} must be a contiguous 1-D flat buffer of {total} elements (state_layout of "
-                                 f"the params), got shape {tuple(t.shape)}, stride {t.stride()}")
+        _N.check_state_sizes(self.name, [("master", master)] + list(states), total, dev)
         _N.check_device("partials", partials, dev)
         if partials.dtype != torch.float32 or partials.dim() != 2 or partials.shape[0] != 2:
             raise ValueError(f"partials must be a float32 [2, P] tensor, got {partials.dtype} {tuple(partials.shape)}")
