@@ -188,6 +188,12 @@ def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optio
           float(max_norm), bool(maximize), name)
 
 
+def call_k1(op: str, grads: List[Tensor], inv_scale: Tensor, dtypes: tuple, backend: Optional[str] = None) -> Tensor:
+    """``norm_check`` / ``unscale_`` (``op``) for callers that checked the gradients themselves (the fused
+    optimizers do, once per step); ``dtypes`` are the gradients' dtype names, as ``str(dtype)``."""
+    return _call(op, inv_scale, grads, inv_scale, _pick(inv_scale.device, dtypes, backend))
+
+
 def step_backend(device, dtypes: tuple, backend: Optional[str] = None) -> str:
     """Name of the backend the step ops pick for this device and these dtype names (cached)."""
     return _pick(torch.device(device), dtypes, backend)

@@ -111,15 +111,19 @@ class _StateMap(defaultdict):
 
 
 class _Batch:
-    """The gradients of one step: per segment a list with ``None`` for parameters without one, and all of
-    them (what K1 reads)."""
+    """The gradients of one step: per segment a list with ``None`` for parameters without one, all of them
+    (what K1 reads) and their dtype names."""
 
-    __slots__ = ("per_segment", "active", "keys")
+    __slots__ = ("per_segment", "active", "dtypes")
 
     def __init__(self):
         self.per_segment: List[List[Optional[Tensor]]] = []
         self.active: List[Tensor] = []
-        self.keys: List[tuple] = []
+        self.dtypes: tuple = ()
+
+    def keys(self) -> List[tuple]:
+        """What identifies these gradients as they are now (a cached norm stays valid while they match)."""
+        return [(g, g._version) for g in self.active]
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -224,7 +228,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         groups = self.param_groups
         if len(self._packed_groups) < len(groups):
             self._packed_groups += [None] * (len(groups) - len(self._packed_groups))
-        carried = self._take_replacements() if len(self._replaced) else {}
         if torch.compiler.is_compiling():
             # addresses and version counters cannot be traced: a compiled step runs with the segments built
             # by the last eager call (its guards recompile when parameters change dtype or device)
@@ -233,6 +236,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                                    "its parameters: run one eager step() (or call state_dict()) first, then "
                                    "compile step()")
             return
+        carried = self._take_replacements() if len(self._replaced) else {}
         repack = set()
         for gi, group in enumerate(groups):
             packed = self._packed_groups[gi]
@@ -386,34 +390,36 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _collect(self) -> _Batch:
         """Every segment's gradients as the kernels read them, checked (sparse, dtype, device, layout)."""
         batch = _Batch()
-        compiling = torch.compiler.is_compiling()
+        dtypes = set()
         for seg in self._segments:
             grads = [p.grad for p in seg.params]
-            dtype = seg.dtype
+            dtype, where, contiguous = seg.dtype, seg.device_index, seg.contiguous
             for i, g in enumerate(grads):
                 if g is None:
                     continue
-                if g.layout is not torch.strided:
-                    raise RuntimeError(f"parameter {self._grad_name(seg, i)} has a sparse gradient ({g.layout}): "
-                                       "fused optimizers do not take sparse gradients. Use a dense layer (for "
-                                       "example nn.Embedding(sparse=False)) or give this parameter to "
-                                       "torch.optim.SparseAdam.")
-                if g.dtype is not dtype or g.device != seg.device:
-                    raise RuntimeError(f"parameter {self._grad_name(seg, i)} is {dtype} on {seg.device} but its "
-                                       f"gradient is {g.dtype} on {g.device}")
-                p = seg.params[i]
-                if not (g.is_contiguous() and p.is_contiguous()) and not same_layout(p, g):
+                if g.dtype is not dtype or g.layout is not torch.strided or g.get_device() != where:
+                    self._refuse_grad(seg, i, g)
+                if not (g.is_contiguous() if contiguous[i] else same_layout(seg.params[i], g)):
                     # laid out unlike its parameter (assigned by hand): read a copy in the parameter's layout
-                    grads[i] = torch.empty_like(p).copy_(g)
+                    grads[i] = torch.empty_like(seg.params[i]).copy_(g)
                 batch.active.append(grads[i])
-                if not compiling:
-                    batch.keys.append((grads[i], grads[i]._version))
+                dtypes.add(dtype)
             batch.per_segment.append(grads)
+        batch.dtypes = tuple(sorted(str(d) for d in dtypes))
         return batch
+
+    def _refuse_grad(self, seg: Segment, i: int, g: Tensor) -> None:
+        if g.layout is not torch.strided:
+            raise RuntimeError(f"parameter {self._grad_name(seg, i)} has a sparse gradient ({g.layout}): fused "
+                               "optimizers do not take sparse gradients. Use a dense layer (for example "
+                               "nn.Embedding(sparse=False)) or give this parameter to torch.optim.SparseAdam.")
+        raise RuntimeError(f"parameter {self._grad_name(seg, i)} is {seg.dtype} on {seg.device} but its gradient is "
+                           f"{g.dtype} on {g.device}")
 
     @staticmethod
     def _same_grads(keys: List[tuple], batch: _Batch) -> bool:
-        return len(keys) == len(batch.keys) and all(a[0] is b[0] and a[1] == b[1] for a, b in zip(keys, batch.keys))
+        return len(keys) == len(batch.active) and all(
+            k[0] is g and k[1] == g._version for k, g in zip(keys, batch.active))
 
     # --- the step -----------------------------------------------------------------------------------------
     def _lr_tensor(self, seg: Segment) -> Tensor:
@@ -467,7 +473,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             else:
                 inv_scale = self._one
             inv_scale = self._divide(inv_scale, grad_divisor)
-            partials = ops.norm_check(batch.active, inv_scale, backend=self.backend)
+            partials = ops.call_k1("norm_check", batch.active, inv_scale, batch.dtypes, self.backend)
         if found_inf is not None:  # e.g. all-reduced across ranks by the training script
             partials = _append_flag(partials, found_inf.float())
         return partials, inv_scale
@@ -606,8 +612,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not batch.active:
             self._partials_cache = None
             return self._one * 0
-        partials = ops.unscale_(batch.active, inv_scale, backend=self.backend)
-        self._partials_cache = ([(g, g._version) for g in batch.active], partials)
+        partials = ops.call_k1("unscale_", batch.active, inv_scale, batch.dtypes, self.backend)
+        self._partials_cache = (batch.keys(), partials)
         return ops.reduce_partials(partials)[1]
 
     @torch.no_grad()
@@ -622,8 +628,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             return None
         cache = self._partials_cache
         if cache is None or not self._same_grads(cache[0], batch):
-            cache = ([(g, g._version) for g in batch.active],
-                     ops.norm_check(batch.active, self._one, backend=self.backend))
+            cache = (batch.keys(), ops.call_k1("norm_check", batch.active, self._one, batch.dtypes, self.backend))
             self._partials_cache = cache
         norm = ops.reduce_partials(cache[1])[0]
         if error_if_nonfinite and not bool(torch.isfinite(norm)):

@@ -47,6 +47,8 @@ class Segment:
         self.dtype, self.device = p0.dtype, p0.device
         self.offsets, self.total = state_layout([p.numel() for p in self.params])
         self.layouts = [layout_of(p) for p in self.params]
+        self.contiguous = [p.is_contiguous() for p in self.params]
+        self.device_index = p0.get_device()  # what Tensor.get_device() says for tensors on this device
         f32 = dict(dtype=torch.float32, device=self.device)
         self.master: Optional[Tensor] = torch.zeros(self.total, **f32) if use_master else None  # gaps stay 0
         self.states: Dict[str, Tensor] = {name: torch.zeros(self.total, **f32) for name in state_names}
