@@ -34,9 +34,36 @@ def k1():
 
 @pytest.fixture
 def small_k1(monkeypatch):
-    """Tiny blocks and a tiny program cap, so small buffers exercise multi-block chunks and the tail."""
+    """Tiny blocks, chunks and program cap, so small gradients exercise multi-block chunks, tails and
+    programs looping over several chunks."""
     monkeypatch.setattr(k1(), "BLOCK", 64)
+    monkeypatch.setattr(k1(), "CHUNK", 128)
     monkeypatch.setattr(k1(), "MAX_PROGRAMS", 4)
+
+
+class Launches:
+    """Counts the launches of a kernel (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def k1_launches(monkeypatch):
+    counter = Launches(k1()._norm_check_kernel)
+    monkeypatch.setattr(k1(), "_norm_check_kernel", counter)
+    return counter
+
+
+def chunk_sums(u, chunk, programs):
+    """Expected partials row 0 of one gradient ``u`` (fp32 values in memory order): program ``p`` sums the
+    chunks ``p, p + programs, ...``."""
+    chunks = [u[i:i + chunk] for i in range(0, u.numel(), chunk)]
+    return torch.stack([sum((c.double() ** 2).sum() for c in chunks[p::programs]) for p in range(programs)]).float()
 
 
 def oracle_norm(grads, inv_scale):
@@ -68,46 +95,48 @@ def test_norm_check_matches_reference(dtype, n):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_norm_check_chunked_grid(small_k1, dtype):
-    # 1000 elements in 64-blocks: 16 blocks over 4 programs of 4 blocks, the last one partial
+    # 1000 elements in 128-chunks of two 64-blocks: 8 chunks over 4 programs, the last chunk partial
     g = torch.randn(1000, device=DEVICE).to(dtype)
     inv = torch.tensor(0.5, device=DEVICE)
     p = ops.norm_check([g], inv, backend="triton")
     assert p.shape == (2, 4)
     check_norm([g], inv, p)
-    # column p holds exactly its program's contiguous chunk
-    u = g.float() * 0.5
-    chunks = [u[i * 256:(i + 1) * 256] for i in range(4)]
-    torch.testing.assert_close(p[0], torch.stack([(c.double() ** 2).sum().float() for c in chunks]),
-                               rtol=1e-6, atol=0)
+    # column p holds exactly the chunks p and p + 4
+    torch.testing.assert_close(p[0], chunk_sums(g.float() * 0.5, 128, 4), rtol=1e-6, atol=0)
 
 
-def test_many_tiny_buffers(small_k1):
+def test_many_tiny_buffers_one_launch(small_k1, k1_launches):
     shapes = [(3,), (0,), (1,), (5, 7), (64,), (65,), (2, 3, 4), (200,), (1, 1)] * 5
     grads = [torch.randn(s, device=DEVICE).to(DTYPES[i % 3]) for i, s in enumerate(shapes)]
-    grads.append(torch.randn(9, 13, device=DEVICE).t())  # strided: goes through a contiguous copy
+    grads.append(torch.randn(9, 13, device=DEVICE).t())  # transposed: walked in memory order, in place
+    grads.append(torch.randn(4, 6, 3, 5, device=DEVICE).to(memory_format=torch.channels_last))
+    grads.append(torch.randn(9, 13, device=DEVICE)[:, ::2])  # not dense: goes through a contiguous copy
     inv = torch.tensor(2.0, device=DEVICE)
     p = ops.norm_check(grads, inv, backend="triton")
     check_norm(grads, inv, p)
-    assert p.shape[1] == sum(k1().num_partials([g.numel()]) for g in grads)
+    chunks = sum(-(-g.numel() // 128) for g in grads)
+    assert p.shape[1] == min(chunks, 4) == k1().num_partials([g.numel() for g in grads])
     assert p[1].sum() == 0
+    assert k1_launches.grids == [(4,)]  # mixed dtypes, one launch
+    assert_bitwise("run to run", p, ops.norm_check(grads, inv, backend="triton"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nonfinite_flags_land_in_their_program(small_k1, dtype):
-    n = 1000  # programs own elements [0, 256), [256, 512), [512, 768), [768, 1000)
-    cases = [(0, float("inf")), (300, float("nan")), (999, float("-inf"))]
+    n = 1000  # 8 chunks of 128 elements; program p owns chunks p and p + 4
+    cases = [(0, float("inf")), (300, float("nan")), (999, float("-inf")), (600, float("nan"))]
     for pos, val in cases:
         g = torch.randn(n, device=DEVICE).to(dtype)
         g[pos] = val
         p = ops.norm_check([g], torch.tensor(1.0, device=DEVICE), backend="triton")
         expected = torch.zeros(4, device=DEVICE)
-        expected[pos // 256] = 1.0
+        expected[(pos // 128) % 4] = 1.0
         assert_bitwise(f"flags for {val} at {pos}", p[1], expected)
-    # a second buffer's flags come after the first's columns
+    # chunks are numbered across the list: the second gradient's chunk is chunk 1, on program 1
     a, b = torch.randn(100, device=DEVICE).to(dtype), torch.randn(100, device=DEVICE).to(dtype)
     b[99] = float("nan")
     p = ops.norm_check([a, b], torch.tensor(1.0, device=DEVICE), backend="triton")
-    assert p[1].tolist() == [0.0, 0.0, 0.0, 1.0]
+    assert p[1].tolist() == [0.0, 1.0]
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy (the interpreter) reports the overflow
@@ -144,15 +173,38 @@ def test_unscale_matches_reference_bitwise(dtype, n):
     assert_bitwise("partials = norm_check's", p2, ops.norm_check([before], inv, backend="triton"))
 
 
-def test_unscale_list_with_strided_and_chunked(small_k1):
+def test_unscale_list_with_strided_and_chunked(small_k1, k1_launches):
     grads = [torch.randn(7, 11, device=DEVICE).t(), torch.randn(1000, device=DEVICE).to(torch.bfloat16),
-             torch.randn(0, device=DEVICE), torch.randn(3, 5, device=DEVICE).to(torch.float16)[:, ::2]]
+             torch.randn(0, device=DEVICE), torch.randn(3, 5, device=DEVICE).to(torch.float16)[:, ::2],
+             torch.randn(2, 6, 5, 3, device=DEVICE).to(torch.bfloat16).to(memory_format=torch.channels_last),
+             torch.randn(301, device=DEVICE).to(torch.float16)[1:]]  # starts 2 bytes off alignment
     inv = torch.tensor(0.1, device=DEVICE)
+    originals = [g.clone() for g in grads]
     refs = [g.clone() for g in grads]
     reference.unscale_(refs, inv)
-    ops.unscale_(grads, inv, backend="triton")
+    strides, ptrs = [g.stride() for g in grads], [g.data_ptr() for g in grads]
+    p = ops.unscale_(grads, inv, backend="triton")
     for i, (g, r) in enumerate(zip(grads, refs)):
         assert_bitwise(f"grads[{i}]", g, r)
+        assert g.stride() == strides[i] and g.data_ptr() == ptrs[i]
+    assert len(k1_launches.grids) == 1
+    check_norm(originals, inv, p)  # partials of the unscaled values
+    # the misaligned gradient made the launch take the hint-free path
+    (_, plan), = list(ops.get_backend("triton").grad_tables._slots.values())[-1:]
+    assert not plan.aligned
+
+
+def test_grad_table_cache():
+    grads = [torch.randn(50, device=DEVICE), torch.randn(7, 3, device=DEVICE).to(torch.bfloat16)]
+    inv = torch.tensor(0.5, device=DEVICE)
+    tables = ops.get_backend("triton").grad_tables
+    first = ops.norm_check(grads, inv, backend="triton")
+    before = tables.builds
+    assert_bitwise("same tensors", ops.norm_check(grads, inv, backend="triton"), first)
+    assert tables.builds == before
+    moved = [g.clone() for g in grads]
+    assert_bitwise("new addresses", ops.norm_check(moved, inv, backend="triton"), first)
+    assert tables.builds == before + 1
 
 
 @triton.jit
@@ -186,11 +238,12 @@ def test_backend_object():
     b = ops.get_backend("triton")
     assert b.name == "triton" and b.unavailable_reason() is None
     assert ("cpu" in b.devices) == INTERPRET and "cuda" in b.devices
-    B, M = k1().BLOCK, k1().MAX_PROGRAMS
-    sizes = [0, 1, B, B + 1, M * B, M * B + 1, 10**12]
-    assert b.num_partials(sizes) == sum(b.num_partials([s]) for s in sizes)
-    assert [b.num_partials([s]) for s in sizes[:-1]] == [0, 1, 1, 2, M, M // 2 + 1]
-    assert M // 2 < b.num_partials([10**12]) <= M
+    C, M = k1().CHUNK, k1().MAX_PROGRAMS
+    assert C % k1().BLOCK == 0
+    sizes = [0, 1, C, C + 1, (M - 1) * C, 10**12]
+    # one partial per chunk up to MAX_PROGRAMS, over the whole list: a pure function of the sizes
+    assert [b.num_partials([s]) for s in sizes] == [0, 1, 1, 2, M - 1, M]
+    assert b.num_partials([1] * 5 + [0] * 3) == 5 and b.num_partials([C + 1] * (M // 2 + 1)) == M
 
 
 def test_opcheck_k1_and_scale():

@@ -3,6 +3,7 @@
 
 One op per module, the ``@triton.jit`` kernels (prefixed ``_``) followed by their launcher:
 ``norm_check`` (K1 and the in-place ``unscale_``), ``adam`` and ``sgd`` (K2), ``update_scale``; ``_common``
-holds the shared prologue, conversions and launch geometry. ``ampfused.ops.triton`` calls the launchers;
-modules are imported on first use, and importing them touches no GPU.
+holds the shared prologue, step advance, conversions, the tensor tables and chunk lists the kernels walk, and
+launch geometry. ``ampfused.ops.triton`` calls the launchers; modules are imported on first use, and
+importing them touches no GPU.
 """

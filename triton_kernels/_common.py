@@ -1,4 +1,5 @@
-"""Pieces shared by the Triton kernels: dtype conversions, expm1, the K2 prologue, and launch geometry.
+"""Pieces shared by the Triton kernels: dtype conversions, expm1, the K2 prologue and step advance, the
+tensor tables, and launch geometry.
 
 Conversions between fp32 and bf16 are done on the bits, because Triton's interpreter (the CPU test path)
 truncates fp32 -> bf16 instead of rounding and mis-reads bf16 subnormals; on a GPU the same integer code
@@ -6,10 +7,27 @@ costs a few ALU operations in memory-bound kernels and gives the hardware's roun
 so the interpreter and the GPU run one definition.
 """
 import contextlib
+from typing import NamedTuple, Sequence
 
 import torch
 import triton
 import triton.language as tl
+
+# The step's tensor table (csrc/include/ampfused/step_args.h): one row per parameter of {param address,
+# grad address, numel (NO_GRAD when the parameter has no gradient this step), offset in the flat state
+# buffers}, int64, in the memory the kernels run on.
+STEP_COLS = tl.constexpr(4)
+COL_PARAM = tl.constexpr(0)
+COL_GRAD = tl.constexpr(1)
+COL_NUMEL = tl.constexpr(2)
+COL_OFFSET = tl.constexpr(3)
+NO_GRAD = tl.constexpr(-1)
+# K1's gradient table: one row per gradient of {address, numel, dtype code (ampfused._native.DTYPE_CODES)}.
+GRAD_COLS = tl.constexpr(3)
+CODE_F32 = tl.constexpr(0)
+CODE_BF16 = tl.constexpr(1)
+CODE_F16 = tl.constexpr(2)
+ALIGN = 16  # bytes of a 128-bit access
 
 
 @triton.jit
@@ -112,16 +130,56 @@ def _prologue(partials_ptr, stride_row, stride_col, P, inv_scale_ptr, max_norm, 
 
 
 @triton.jit
-def _advance_step(step_ptr, counter_ptr, new_step):
-    """The last program of the launch to arrive stores ``new_step`` and resets the arrival counter.
+def _chunk_ptr(addr, start, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Typed pointer to element ``start`` (int64) of the tensor at address ``addr`` (an int64 from a table).
 
-    Every program read ``step`` before calling this; the barrier orders all its threads' reads before the
-    (single-thread, acq_rel, integer) atomic, so no program can see the new value. See adam.py's docstring.
+    With ALIGNED (checked on the host: every address in the table is 16-byte aligned, and ``start`` is a
+    multiple of the chunk, so of 16 bytes too) the compiler is told so, which allows full 128-bit accesses;
+    without it nothing is assumed and the accesses are correct at any address.
+    """
+    ptr = addr.to(tl.pointer_type(DTYPE)) + start
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def _state_ptr(base_ptr, start):
+    """Pointer to element ``start`` (int64) of a flat fp32 state buffer: always 16-byte aligned, since the
+    buffers start aligned (checked on the host) and a chunk starts at a ``state_layout`` offset (a multiple of
+    4 elements) plus a multiple of the chunk size."""
+    return tl.multiple_of(base_ptr + start, 16)
+
+
+@triton.jit
+def _load_chunk(table_ptr, chunks_ptr, c, COLS: tl.constexpr):
+    """``(row, start)`` of chunk ``c`` of a chunk list and the address of that row in its table."""
+    entry = chunks_ptr + tl.cast(c, tl.int64) * 2
+    row = tl.load(entry)
+    start = tl.load(entry + 1)
+    return row, start, table_ptr + row * COLS
+
+
+@triton.jit
+def _advance_steps(steps_ptr, table_ptr, T, counter_ptr, TBLOCK: tl.constexpr):
+    """The last program of the launch to arrive adds 1 to ``steps[i]`` for every parameter ``i`` that has a
+    gradient (a table row whose numel is not NO_GRAD) and resets the arrival counter.
+
+    Every program read the steps of its chunks before calling this; the barrier orders all its threads'
+    reads before the (single-thread, acq_rel, integer) atomic, so no program can see an advanced step. See
+    adam.py's docstring.
     """
     tl.debug_barrier()
     arrived = tl.atomic_add(counter_ptr, 1)
     if arrived == tl.num_programs(0) - 1:
-        tl.store(step_ptr, new_step)
+        lanes = tl.arange(0, TBLOCK)
+        for first in range(0, T, TBLOCK):
+            i = first + lanes
+            live = i < T
+            numel = tl.load(table_ptr + i.to(tl.int64) * STEP_COLS + COL_NUMEL, mask=live, other=NO_GRAD)
+            active = live & (numel != NO_GRAD)
+            step = tl.load(steps_ptr + i, mask=active, other=0.0)
+            tl.store(steps_ptr + i, step + 1.0, mask=active)
         tl.atomic_xchg(counter_ptr, 0)
 
 
@@ -132,23 +190,60 @@ def _advance_step(step_ptr, counter_ptr, new_step):
 # the same across Triton versions (3.10 changes the default). The kernels are memory-bound: it costs nothing.
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def chunking(n: int, block: int, max_programs: int) -> tuple:
-    """``(programs, blocks_per_program)`` for a bounded grid over ``n`` elements.
+def grid_size(num_chunks: int, max_programs: int) -> int:
+    """Programs of a persistent launch over ``num_chunks`` chunks: one per chunk up to ``max_programs``, each
+    program then taking chunks ``pid, pid + programs, pid + 2 * programs, ...``."""
+    return min(num_chunks, max_programs)
 
-    Program ``p`` owns the contiguous blocks ``[p * iters, (p + 1) * iters)``; the program count is the
-    smallest that covers all blocks with at most ``max_programs`` programs, so every program has work. A pure
-    function of ``n``, which makes the partial count of K1 one too.
+
+class Plan(NamedTuple):
+    """A table and its chunk list in the memory the kernels run on (one upload), and facts about them."""
+    table: torch.Tensor       # [rows * cols] int64
+    chunks: torch.Tensor      # [num_chunks * 2] int64: (table row, first element) per chunk
+    num_chunks: int
+    chunk: int                # elements per chunk (a multiple of the kernel's block)
+    aligned: bool             # every address of a row that owns a chunk is 16-byte aligned
+    host: torch.Tensor        # the host copy the upload reads (kept while the plan lives)
+
+
+def chunk_list(numels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``[C, 2]`` int64 (row, first element) of the chunks of ``chunk`` elements that cover each row's
+    ``numels[row]`` elements, rows in order, chunks in memory order; rows of numel <= 0 own none."""
+    counts = (numels.clamp(min=0) + (chunk - 1)) // chunk
+    rows = torch.repeat_interleave(torch.arange(numels.numel(), dtype=torch.int64), counts)
+    first = torch.cumsum(counts, 0) - counts
+    starts = (torch.arange(rows.numel(), dtype=torch.int64) - first[rows]) * chunk
+    return torch.stack([rows, starts], dim=1)
+
+
+def make_plan(rows: Sequence[int], cols: int, numel_col: int, addr_cols: Sequence[int], chunk: int,
+              device: torch.device) -> Plan:
+    """Chunk a table given as a flat list of ints (``cols`` per row) and upload table and chunks together.
+
+    On CUDA the upload is an asynchronous copy from pinned memory on the current stream (no host sync).
+    ``aligned`` looks at the ``addr_cols`` of the rows that own chunks (numel > 0).
     """
-    blocks = cdiv(n, block)
-    if blocks == 0:
-        return 0, 0
-    iters = cdiv(blocks, max_programs)
-    return cdiv(blocks, iters), iters
+    aligned = all(rows[r + c] % ALIGN == 0 for r in range(0, len(rows), cols) if rows[r + numel_col] > 0
+                  for c in addr_cols)
+    table = torch.tensor(rows, dtype=torch.int64).view(-1, cols)
+    chunks = chunk_list(table[:, numel_col], chunk)
+    # one buffer, never empty: [table | chunks | pad]
+    host = torch.cat([table.flatten(), chunks.flatten(), torch.zeros(1, dtype=torch.int64)])
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            host = host.pin_memory()
+            buf = host.to(device, non_blocking=True)
+    else:
+        buf = host
+    n_table = table.numel()
+    return Plan(buf[:n_table], buf[n_table:n_table + chunks.numel()], chunks.shape[0], chunk, aligned, host)
 
 
 def device_guard(t):
@@ -156,3 +251,9 @@ def device_guard(t):
     if t.device.type == "cuda":
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
+
+
+def nonempty(t, fallback):
+    """``t`` as a kernel argument, or ``fallback`` (a tensor of the same element type when it matters) when
+    ``t`` is None or empty: the kernel never touches it then, and an empty tensor may have no address."""
+    return t if t is not None and t.numel() else fallback

@@ -1,43 +1,50 @@
-"""K2 for Adam / AdamW: prologue (norm, found_inf, clip coefficient), then one pass over the flat buffers.
+"""K2 for Adam / AdamW over a list of parameters: prologue (norm, found_inf, clip coefficient), then one pass.
 
-Grid: ``programs = min(cdiv(n, BLOCK), MAX_PROGRAMS)``-ish (see ``chunking``), each program walking its own
-contiguous run of blocks, so the prologue (which reduces all partials) is paid once per program, not once
-per block. Each program reads grad, master (or param), exp_avg and exp_avg_sq once and writes master,
-states and param once; nothing is written when a non-finite gradient was flagged.
+The parameters and gradients are reached through the step's tensor table (one int64 row per parameter:
+param address, grad address, numel or NO_GRAD, state offset; see ``_common``) and a chunk list built on the
+host: one ``(row, first element)`` entry per ``CHUNK`` elements of every parameter that has a gradient.
+The grid is persistent and bounded: ``programs = min(chunks, MAX_PROGRAMS)``, program ``p`` taking chunks
+``p, p + programs, ...``, so the prologue (which reduces all partials) is paid once per program, not once
+per chunk, and every program has work. Per chunk a program reads that parameter's step count, forms its bias
+corrections, and walks the chunk in memory order: full ``BLOCK``-element blocks unmasked, the tail of the
+parameter masked; element ``j`` of the parameter pairs with element ``offset + j`` of the master and states.
+Each element of grad, master (or param), exp_avg and exp_avg_sq is read once and master, states and param
+written once; nothing is written when a non-finite gradient was flagged.
 
-Step counter: every program needs the step value *before* this step, and one of them must store
-``step + 1``. Each program reads ``step`` first, does its work, then ``atomic_add(counter, 1)``
-(acq_rel, gpu scope, integer); the program that receives ``programs - 1`` is the last one, so every other
-program's read of ``step`` happened before its increment, which happened before this acquire: it stores
-``step + 1`` and resets the counter to 0 for the next launch. The ``debug_barrier`` before the atomic makes
-every thread's read of ``step`` precede the (single-thread) atomic within a program.
+Step counts: every program needs the counts *before* this step, and each count of a parameter with a
+gradient must then advance by one. Each program reads the counts of its chunks first, does its work, then
+``atomic_add(counter, 1)`` (acq_rel, gpu scope, integer); the program that receives ``programs - 1`` is the
+last one, so every other program's reads happened before its increment, which happened before this
+acquire: it adds 1 to ``steps[i]`` for every row ``i`` whose numel is not NO_GRAD and resets the counter to
+0 for the next launch. The ``debug_barrier`` before the atomic makes every thread's reads precede the
+(single-thread) atomic within a program.
 """
 import math
 
 import triton
 import triton.language as tl
 
-from ._common import (LAUNCH_OPTIONS, _advance_step, _expm1, _load, _prologue, _round_to, _store, _to_f32,
-                      chunking, device_guard)
+from ._common import (COL_GRAD, COL_NUMEL, COL_OFFSET, COL_PARAM, LAUNCH_OPTIONS, STEP_COLS, TL_DTYPES,
+                      _advance_steps, _chunk_ptr, _expm1, _load, _load_chunk, _prologue, _round_to, _state_ptr,
+                      _store, _to_f32, device_guard, grid_size, nonempty)
 
 BLOCK = 1024        # elements per program per iteration (8 per thread with 4 warps)
+CHUNK = 8 * BLOCK   # elements per chunk-list entry
 NUM_WARPS = 4
 MAX_PROGRAMS = 1024
-PBLOCK = 512        # partials reduced per prologue iteration (one iteration for one K1 buffer)
+PBLOCK = 512        # partials reduced per prologue iteration
+TBLOCK = 1024       # table rows per iteration of the step advance
 
 
 @triton.jit
-def _adam_block(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, idx, n, coef, decay,
-                step_size, sqrt_bc2, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+def _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, idx, n, coef, decay, step_size,
+                sqrt_bc2, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, PARAM_DTYPE: tl.constexpr,
                 HAS_MASTER: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
                 MASKED: tl.constexpr):
     g = _to_f32(_load(grad_ptr, idx, n, MASKED)) * coef
     if MAXIMIZE:
         g = -g
-    if HAS_MASTER:
-        w = _load(master_ptr, idx, n, MASKED).to(tl.float32)
-    else:
-        w = _load(param_ptr, idx, n, MASKED).to(tl.float32)
+    w = _load(w_ptr, idx, n, MASKED).to(tl.float32)
     m = _load(exp_avg_ptr, idx, n, MASKED).to(tl.float32)
     v = _load(exp_avg_sq_ptr, idx, n, MASKED).to(tl.float32)
     if DECOUPLED:
@@ -54,46 +61,55 @@ def _adam_block(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, id
     _store(exp_avg_ptr, idx, n, m_new, MASKED)
     _store(exp_avg_sq_ptr, idx, n, v_new, MASKED)
     if HAS_MASTER:
-        _store(master_ptr, idx, n, w_new, MASKED)
-    _store(param_ptr, idx, n, _round_to(w_new, param_ptr.dtype.element_ty), MASKED)
+        _store(w_ptr, idx, n, w_new, MASKED)
+        _store(param_ptr, idx, n, _round_to(w_new, PARAM_DTYPE), MASKED)
+    else:
+        _store(param_ptr, idx, n, w_new, MASKED)
 
 
-@triton.jit(do_not_specialize=["n"])
-def _adam_kernel(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr, partials_ptr,
-                 inv_scale_ptr, lr_ptr, out_stats_ptr, counter_ptr,
-                 n, iters, P, p_stride_row, p_stride_col,
+@triton.jit(do_not_specialize=["num_chunks", "T", "P"])
+def _adam_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, steps_ptr,
+                 partials_ptr, inv_scale_ptr, lr_ptr, out_stats_ptr, counter_ptr, P, p_stride_row, p_stride_col,
                  one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps, weight_decay, max_norm,
-                 HAS_MASTER: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, CLIP: tl.constexpr,
-                 BLOCK: tl.constexpr, PBLOCK: tl.constexpr):
-    pid = tl.program_id(0)
+                 PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
+                 DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, CLIP: tl.constexpr, ALIGNED: tl.constexpr,
+                 CHUNK: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr, TBLOCK: tl.constexpr):
     norm, found_inf, coef = _prologue(partials_ptr, p_stride_row, p_stride_col, P, inv_scale_ptr, max_norm,
                                       out_stats_ptr, CLIP, PBLOCK)
     # A flagged step leaves every program without a single write (and without touching the counter).
     if found_inf == 0.0:
-        step = tl.load(step_ptr)
-        t = step + 1.0
         lr = tl.load(lr_ptr).to(tl.float32)
-        # 1 - beta**t as -expm1(t * log(beta)), as the reference computes it
-        step_size = tl.div_rn(lr, -_expm1(t * log_beta1))
-        sqrt_bc2 = tl.sqrt_rn(-_expm1(t * log_beta2))
         decay = 1.0 - lr * weight_decay
         lanes = tl.arange(0, BLOCK)
-        # 64-bit offsets: buffers over 2**31 elements are real
-        first = pid.to(tl.int64) * iters
-        full_blocks = n // BLOCK
-        off = first * BLOCK
-        for _ in range(0, tl.minimum(full_blocks - first, iters).to(tl.int32)):
-            _adam_block(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, off + lanes, n, coef,
-                        decay, step_size, sqrt_bc2, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
-                        HAS_MASTER, DECOUPLED, MAXIMIZE, False)
-            off += BLOCK
-        # the partial last block, if any, belongs to the last program
-        if (pid == tl.num_programs(0) - 1) & (full_blocks * BLOCK < n):
-            _adam_block(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr,
-                        full_blocks.to(tl.int64) * BLOCK + lanes, n, coef, decay, step_size, sqrt_bc2,
-                        one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, HAS_MASTER, DECOUPLED,
-                        MAXIMIZE, True)
-        _advance_step(step_ptr, counter_ptr, t)
+        for c in range(tl.program_id(0), num_chunks, tl.num_programs(0)):
+            row, start, entry = _load_chunk(table_ptr, chunks_ptr, c, STEP_COLS)
+            # 64-bit offsets: parameters and state buffers over 2**31 elements are real
+            param_ptr = _chunk_ptr(tl.load(entry + COL_PARAM), start, PARAM_DTYPE, ALIGNED)
+            grad_ptr = _chunk_ptr(tl.load(entry + COL_GRAD), start, GRAD_DTYPE, ALIGNED)
+            state = tl.load(entry + COL_OFFSET) + start
+            count = tl.minimum(tl.load(entry + COL_NUMEL) - start, CHUNK).to(tl.int32)
+            exp_avg_c = _state_ptr(exp_avg_ptr, state)
+            exp_avg_sq_c = _state_ptr(exp_avg_sq_ptr, state)
+            if HAS_MASTER:
+                w_ptr = _state_ptr(master_ptr, state)
+            else:
+                w_ptr = param_ptr
+            # this parameter's step: t = steps[row] + 1; 1 - beta**t as -expm1(t * log(beta)), as the
+            # reference computes it
+            t = tl.load(steps_ptr + row).to(tl.float32) + 1.0
+            step_size = tl.div_rn(lr, -_expm1(t * log_beta1))
+            sqrt_bc2 = tl.sqrt_rn(-_expm1(t * log_beta2))
+            full = count // BLOCK
+            for b in range(0, full):
+                _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_c, exp_avg_sq_c, b * BLOCK + lanes, count, coef,
+                            decay, step_size, sqrt_bc2, one_minus_beta1, beta2, one_minus_beta2, eps,
+                            weight_decay, PARAM_DTYPE, HAS_MASTER, DECOUPLED, MAXIMIZE, False)
+            # the parameter's last, partial block
+            if full * BLOCK < count:
+                _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_c, exp_avg_sq_c, full * BLOCK + lanes, count,
+                            coef, decay, step_size, sqrt_bc2, one_minus_beta1, beta2, one_minus_beta2, eps,
+                            weight_decay, PARAM_DTYPE, HAS_MASTER, DECOUPLED, MAXIMIZE, True)
+        _advance_steps(steps_ptr, table_ptr, T, counter_ptr, TBLOCK)
 
 
 def _log(beta: float) -> float:
@@ -101,33 +117,38 @@ def _log(beta: float) -> float:
     return math.log(beta) if beta > 0 else -math.inf
 
 
-def adam_step_(param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr, out_stats, counter,
-               beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float, decoupled: bool,
-               maximize: bool = False) -> None:
-    """One Adam (L2 decay) / AdamW (decoupled decay) step; math as ``ampfused.ops.reference.adam_step_``.
+def adam_step_(plan, count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
+               out_stats, counter, beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float,
+               decoupled: bool, maximize: bool = False) -> None:
+    """One Adam (L2 decay) / AdamW (decoupled decay) step over the parameters of ``plan``; math as
+    ``ampfused.ops.reference.adam_step_``.
 
-    With ``c = inv_scale * min(1, max_norm / (norm + 1e-6))`` from the partials, ``w`` the master (or param)
-    copy and ``t = step + 1``, all in fp32::
+    With ``c = inv_scale * min(1, max_norm / (norm + 1e-6))`` from the partials, and for each parameter ``i``
+    with a gradient ``w`` its master slice (or the parameter itself), ``m``, ``v`` its state slices and
+    ``t = steps[i] + 1``, all in fp32::
 
         g = c * grad (negated if maximize);  AdamW: w *= 1 - lr * wd;  Adam: g += wd * w
         m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g
         w -= (lr / (1 - beta1**t)) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
-        param = round_to_nearest_even(w);  step = t;  out_stats = [norm, found_inf]
+        param = round_to_nearest_even(w);  steps[i] = t;  out_stats = [norm, found_inf]
 
-    param: 1-D, fp32/bf16/fp16 (fp32 when master is None); grad: 1-D fp32/bf16/fp16; master, exp_avg,
-    exp_avg_sq: 1-D fp32; all of ``n`` elements, contiguous. step, inv_scale: 0-d fp32; lr: 0-d fp32/fp64;
-    partials: ``[2, P]`` fp32 (any strides); out_stats: ``[2]`` fp32; counter: ``[1]`` int32 workspace
-    holding 0, left at 0. When found_inf, only out_stats is written.
+    plan: the step's tensor table (``count`` rows) and chunk list (``_common.make_plan``; a chunk a multiple
+    of ``BLOCK``, ``CHUNK`` by default);
+    param_dtype, grad_dtype: torch dtypes of every parameter / gradient (fp32/bf16/fp16; fp32 params when
+    master is None); master (or None), exp_avg, exp_avg_sq: flat fp32 buffers laid out by ``state_layout``,
+    16-byte aligned; steps: ``[count]`` fp32/fp64; inv_scale: 0-d fp32; lr: 0-d fp32/fp64; partials:
+    ``[2, P]`` fp32 (any strides); out_stats: ``[2]`` fp32; counter: ``[1]`` int32 workspace holding 0, left
+    at 0. When found_inf, only out_stats is written.
     """
-    n = param.numel()
-    programs, iters = chunking(n, BLOCK, MAX_PROGRAMS)
-    programs = max(programs, 1)  # an empty buffer still reports out_stats and counts the step
-    with device_guard(param):
+    programs = max(grid_size(plan.num_chunks, MAX_PROGRAMS), 1)  # no chunk: out_stats is still written
+    with device_guard(out_stats):
         _adam_kernel[(programs,)](
-            param, grad, master if master is not None else param, exp_avg, exp_avg_sq, step, partials,
-            inv_scale, lr, out_stats, counter,
-            n, iters, partials.shape[1], partials.stride(0), partials.stride(1),
+            plan.table, plan.chunks, plan.num_chunks, count, nonempty(master, out_stats),
+            nonempty(exp_avg, out_stats), nonempty(exp_avg_sq, out_stats), nonempty(steps, out_stats),
+            nonempty(partials, out_stats), inv_scale, lr, out_stats, counter,
+            partials.shape[1], partials.stride(0), partials.stride(1),
             1.0 - beta1, beta2, 1.0 - beta2, _log(beta1), _log(beta2), eps, weight_decay, max_norm,
-            HAS_MASTER=master is not None, DECOUPLED=bool(decoupled), MAXIMIZE=bool(maximize),
-            CLIP=not math.isinf(max_norm), BLOCK=BLOCK, PBLOCK=PBLOCK, num_warps=NUM_WARPS,
+            PARAM_DTYPE=TL_DTYPES[param_dtype], GRAD_DTYPE=TL_DTYPES[grad_dtype], HAS_MASTER=master is not None,
+            DECOUPLED=bool(decoupled), MAXIMIZE=bool(maximize), CLIP=not math.isinf(max_norm),
+            ALIGNED=plan.aligned, CHUNK=plan.chunk, BLOCK=BLOCK, PBLOCK=PBLOCK, TBLOCK=TBLOCK, num_warps=NUM_WARPS,
             **LAUNCH_OPTIONS)

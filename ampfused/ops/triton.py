@@ -4,20 +4,34 @@ Runs on CUDA tensors; on CPU tensors only under Triton's interpreter (``TRITON_I
 triton is imported), which is how the tests run it without a GPU. Importing this module touches no GPU: it
 imports triton only to learn whether it can, and the kernel modules load on the first op.
 
-Besides the caller's tensors the step ops need one piece of state: an int32 counter per device (see
+Each op is one launch whatever the number of tensors: the kernels reach the tensors through a table of
+their addresses and a chunk list (see ``ampfused.triton_kernels.adam``) that live in device memory. Building
+and uploading them costs host time, so they are cached: a step call site (identified by its ``steps``
+tensor) keeps the table of its last call and reuses it while the parameters, gradients and state layout are
+the same; K1 keeps the tables of its recent gradient lists. Tables are uploaded with an asynchronous copy
+from pinned memory (no host sync). A table used while a CUDA graph was captured is kept for the life of the
+backend (the graph reads it on every replay); a table that would have to be built while a graph is being
+captured is refused with a RuntimeError: run one eager call with the same tensors first.
+
+Besides the caller's tensors the step ops need one more piece of state: an int32 counter per device (see
 ``ampfused.triton_kernels.adam``), zero between launches. It is allocated on the first step on a device and
-reused, so a warm step allocates nothing and can be captured in a CUDA graph. Two steps running at the
-same time on different streams of one device would share it: steps on one device must be stream-ordered.
+reused, so a warm step with unchanged tensors allocates nothing and can be captured in a CUDA graph. Two
+steps running at the same time on different streams of one device would share it: steps on one device must
+be stream-ordered.
 """
 from __future__ import annotations
 
 import importlib
 import os
-from typing import Dict, List, Optional
+from collections import OrderedDict
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import Tensor
 
+from .. import _native
+from .checks import is_dense
+from .reference import STATE_ALIGN
 from .registry import Backend
 
 try:
@@ -31,6 +45,67 @@ def _kernels(name: str):
     return importlib.import_module(f"ampfused.triton_kernels.{name}")
 
 
+def _capturing(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def step_rows(params: List[Tensor], grads: List[Optional[Tensor]]) -> List[int]:
+    """``_native.step_table(params, grads, state_layout(numels)[0])`` in one pass over the tensors (the
+    per-step host work of a cache hit is this loop and one comparison)."""
+    rows: List[int] = []
+    total = 0
+    up = STATE_ALIGN - 1
+    for p, g in zip(params, grads):
+        n = p.numel()
+        offset = (total + up) & ~up
+        total = offset + n
+        rows += (p.data_ptr(), 0, _native.NO_GRAD, offset) if g is None else (p.data_ptr(), g.data_ptr(), n, offset)
+    return rows
+
+
+class TableCache:
+    """Device tables (``_common.Plan``) by call site: a slot holds the ints its plan was built from; a call
+    whose ints equal them reuses the plan, anything else builds a new one into the slot. The least recently
+    used slot goes when there are more than ``capacity``. ``builds`` counts the plans built."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.builds = 0
+        self._slots: "OrderedDict[tuple, tuple]" = OrderedDict()
+        self._graph_plans: Dict[int, object] = {}  # used during a CUDA graph capture: replays read them
+
+    def get(self, site: tuple, ints, build: Callable[[], object], capturing: bool, what: str):
+        """The plan of ``site`` if it was built from ``ints``, else a new one from ``build()``; refused while a
+        CUDA graph is being captured (the graph would keep reading a table uploaded once, outside it)."""
+        slot = self._slots.get(site)
+        if slot is not None and slot[0] == ints:
+            self._slots.move_to_end(site)
+            plan = slot[1]
+        else:
+            if capturing:
+                raise RuntimeError(
+                    f"the triton backend needs a new device table for {what} while a CUDA graph is being "
+                    "captured: these tensors (or their addresses) differ from the last eager call's. Run one "
+                    "eager call with exactly these tensors before capturing, and keep them, storage included, "
+                    "for as long as the graph is replayed")
+            plan = build()
+            self.builds += 1
+            self._slots[site] = (ints, plan)
+            self._slots.move_to_end(site)
+            while len(self._slots) > self.capacity:
+                self._slots.popitem(last=False)
+        if capturing:
+            self._graph_plans[id(plan)] = plan
+        return plan
+
+    def clear(self) -> None:
+        """Forget every slot (tables captured in CUDA graphs stay alive)."""
+        self._slots.clear()
+
+
 class TritonBackend(Backend):
     name = "triton"
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
@@ -38,6 +113,8 @@ class TritonBackend(Backend):
 
     def __init__(self) -> None:
         self._counters: Dict[torch.device, Tensor] = {}
+        self.step_tables = TableCache(capacity=4096)  # one slot per step call site (its steps tensor)
+        self.grad_tables = TableCache(capacity=64)    # K1: one slot per recent gradient list
 
     @property
     def devices(self) -> tuple:
@@ -58,48 +135,89 @@ class TritonBackend(Backend):
     def _counter(self, device: torch.device) -> Tensor:
         c = self._counters.get(device)
         if c is None:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if _capturing(device):
                 raise RuntimeError("the triton backend allocates its step counter on the first step on a "
                                    f"device: run one step on {device} before capturing a CUDA graph")
             c = self._counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
         return c
 
+    def _step_plan(self, params: List[Tensor], grads: List[Optional[Tensor]], steps: Tensor, chunk: int):
+        """The tensor table and chunk list of a step, reused while the call site's tensors are unchanged."""
+        rows = step_rows(params, grads)
+        device = steps.device
+        common = _kernels("_common")
+        return self.step_tables.get(
+            (device, steps.data_ptr(), chunk), rows,
+            lambda: common.make_plan(rows, 4, 2, (0, 1), chunk, device), _capturing(device),
+            "the parameters and gradients of a step")
+
     @staticmethod
-    def _check_step_tensors(step: Tensor, lr: Tensor) -> None:
-        if step.dtype != torch.float32:
-            raise TypeError(f"step must be float32 for the triton backend, got {step.dtype}")
-        if lr.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"lr must be float32 or float64, got {lr.dtype}")
+    def _step_dtypes(params: List[Tensor], grads: List[Optional[Tensor]]) -> tuple:
+        pdtype = params[0].dtype if params else torch.float32
+        g = next((x for x in grads if x is not None), None)
+        return pdtype, (g.dtype if g is not None else pdtype)
 
     # ------------------------------------------------------------------------------------------------- ops
 
     def num_partials(self, numels: List[int]) -> int:
-        return _kernels("norm_check").num_partials(numels)
+        return _kernels("norm_check").num_partials(list(numels))
+
+    def _k1(self, grads: List[Tensor], inv_scale: Tensor, write_back: bool) -> Tensor:
+        _native.check_grads(grads, inv_scale, self.name)
+        k1, common = _kernels("norm_check"), _kernels("_common")
+        # Dense gradients (row-major, channels_last, transposed) are walked in memory order where they are;
+        # any other layout goes through a contiguous copy (copied back when unscaling).
+        work = [g if g.is_contiguous() or is_dense(g) else g.contiguous() for g in grads]
+        rows = k1.grad_rows(work, _native.DTYPE_CODES)
+        device = inv_scale.device
+        plan = self.grad_tables.get(
+            (device, k1.CHUNK, tuple(rows)), None,
+            lambda: common.make_plan(rows, 3, 1, (0,), k1.CHUNK, device), _capturing(device),
+            "the gradients of norm_check/unscale_")
+        partials = k1.run(plan, inv_scale, write_back)
+        if write_back:
+            for g, w in zip(grads, work):
+                if w is not g:
+                    g.copy_(w)
+        return partials
 
     def norm_check(self, grads: List[Tensor], inv_scale: Tensor) -> Tensor:
-        return _kernels("norm_check").norm_check(list(grads), inv_scale)
+        return self._k1(list(grads), inv_scale, False)
 
     def unscale_(self, grads: List[Tensor], inv_scale: Tensor) -> Tensor:
-        return _kernels("norm_check").unscale_(list(grads), inv_scale)
+        return self._k1(list(grads), inv_scale, True)
 
     def update_scale_(self, scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
                       backoff_factor: float, growth_interval: int) -> None:
         _kernels("update_scale").update_scale_(scale, growth_tracker, found_inf, growth_factor,
                                                backoff_factor, growth_interval)
 
-    def adam_step_(self, param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr, out_stats,
+    def adam_step_(self, params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
                    beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize=False) -> None:
-        self._check_step_tensors(step, lr)
-        _kernels("adam").adam_step_(param, grad, master, exp_avg, exp_avg_sq, step, partials, inv_scale, lr,
-                                    out_stats, self._counter(param.device), beta1, beta2, eps, weight_decay,
-                                    max_norm, decoupled, maximize)
+        """Adam/AdamW over lists of parameters and gradients; see :func:`ampfused.ops.reference.adam_step_`."""
+        params, grads = list(params), list(grads)
+        _native.check_step(self.name, params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
+                           steps, partials, inv_scale, lr, out_stats)
+        k = _kernels("adam")
+        plan = self._step_plan(params, grads, steps, k.CHUNK)
+        k.adam_step_(plan, len(params), *self._step_dtypes(params, grads), master, exp_avg, exp_avg_sq, steps,
+                     partials, inv_scale, lr, out_stats, self._counter(steps.device), beta1, beta2, eps,
+                     weight_decay, max_norm, decoupled, maximize)
 
-    def sgd_step_(self, param, grad, master, momentum_buf, step, partials, inv_scale, lr, out_stats, momentum,
+    def sgd_step_(self, params, grads, master, momentum_buf, steps, partials, inv_scale, lr, out_stats, momentum,
                   dampening, weight_decay, nesterov, max_norm, maximize=False) -> None:
-        self._check_step_tensors(step, lr)
-        _kernels("sgd").sgd_step_(param, grad, master, momentum_buf, step, partials, inv_scale, lr, out_stats,
-                                  self._counter(param.device), momentum, dampening, weight_decay, nesterov,
-                                  max_norm, maximize)
+        """SGD over lists of parameters and gradients; see :func:`ampfused.ops.reference.sgd_step_`."""
+        params, grads = list(params), list(grads)
+        if momentum != 0 and momentum_buf is None:
+            raise ValueError("momentum_buf is required when momentum != 0")
+        buf = momentum_buf if momentum != 0 else None
+        states = [("momentum_buf", buf)] if buf is not None else []
+        _native.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
+        k = _kernels("sgd")
+        plan = self._step_plan(params, grads, steps, k.CHUNK)
+        k.sgd_step_(plan, len(params), *self._step_dtypes(params, grads), master, buf, steps, partials, inv_scale,
+                    lr, out_stats, self._counter(steps.device), momentum, dampening, weight_decay, nesterov,
+                    max_norm, maximize)
 
 
 BACKEND = TritonBackend()
