@@ -12,7 +12,7 @@ import glob
 import hashlib
 import importlib
 import os
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -24,6 +24,8 @@ MODULES = {"cpu": "ampfused._C", "cuda": "ampfused._C_cuda"}
 DTYPE_CODES: Dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 SCALAR_CODES: Dict[torch.dtype, int] = {torch.float32: 0, torch.float64: 3}
 NATIVE_DTYPES = tuple(DTYPE_CODES)
+_NATIVE_SET = frozenset(NATIVE_DTYPES)
+STATE_ALIGN = 4  # elements between parameter starts in a flat state buffer (ops.reference.STATE_ALIGN)
 NO_GRAD = -1  # numel of a table row whose parameter has no gradient this step (step_args.h: kNoGrad)
 ALIGN = 16  # bytes: the step kernels use 128-bit vector loads and stores
 
@@ -186,16 +188,20 @@ def check_state_sizes(backend: str, buffers, total: int, device: torch.device) -
                              f"params) for the {backend} backend, got shape {tuple(t.shape)}, stride {t.stride()}")
 
 
-def step_table(params, grads, offsets) -> list:
-    """The tensor table of a step as a flat list of ints (``T`` rows of ``TABLE_COLS``): param address,
-    grad address, numel (``NO_GRAD`` for a parameter without a gradient), state offset; see step_args.h."""
-    rows = []
-    for p, g, off in zip(params, grads, offsets):
-        if g is None:
-            rows += (p.data_ptr(), 0, NO_GRAD, off)
-        else:
-            rows += (p.data_ptr(), g.data_ptr(), p.numel(), off)
-    return rows
+def step_table(params, grads) -> Tuple[List[int], int]:
+    """The tensor table of a step as a flat list of ints (``T`` rows of ``TABLE_COLS``: param address, grad
+    address, numel or ``NO_GRAD`` for a parameter without a gradient, state offset; see step_args.h) and the
+    size of the flat state buffers, laid out as :func:`ampfused.ops.state_layout` lays them out, in one pass
+    over the tensors (the per-step host work of the native and Triton steps)."""
+    rows: List[int] = []
+    total = 0
+    up = STATE_ALIGN - 1
+    for p, g in zip(params, grads):
+        n = p.numel()
+        offset = (total + up) & ~up
+        total = offset + n
+        rows += (p.data_ptr(), 0, NO_GRAD, offset) if g is None else (p.data_ptr(), g.data_ptr(), n, offset)
+    return rows, total
 
 
 def grad_code(grads) -> int:
@@ -207,6 +213,11 @@ def check_grads(grads, inv_scale: Tensor, backend: str) -> None:
     if isinstance(grads, Tensor) or not isinstance(grads, (list, tuple)):
         raise TypeError(f"grads must be a list of tensors, got {type(grads).__name__}")
     check_scalar("inv_scale", inv_scale, (torch.float32,), inv_scale.device, backend)
+    where = inv_scale.get_device()
+    strided = torch.strided
+    if all(type(g) is Tensor and g.get_device() == where and g.layout is strided and g.dtype in _NATIVE_SET
+           for g in grads):
+        return  # the common case in one pass; else find the first gradient that breaks a rule, and say which
     for i, g in enumerate(grads):
         check_device(f"grads[{i}]", g, inv_scale.device)
         _dtype_rule(f"grads[{i}]", g, NATIVE_DTYPES, backend)

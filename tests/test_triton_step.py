@@ -455,12 +455,15 @@ def test_table_cache_reuses_and_rebuilds(small_geometry):
     assert backend().grad_tables.builds == before
 
 
-def test_step_rows_are_the_native_table():
+def test_the_tensor_table_follows_the_state_layout():
     s = new_problem("adam", BF16, True, PARAMS + [((3, 2), "transposed", True, 0)])
     (grads,) = grads_for(PARAMS + [((3, 2), "transposed", True, 0)], BF16, 1)
-    rows = importlib.import_module("ampfused.ops.triton").step_rows(s.params, grads)
-    offsets, _ = state_layout([p.numel() for p in s.params])
-    assert rows == _native.step_table(s.params, grads, offsets) and offsets == s.offsets
+    rows, total = _native.step_table(s.params, grads)
+    offsets, want_total = state_layout([p.numel() for p in s.params])
+    assert rows[3::4] == offsets == s.offsets and total == want_total
+    assert rows[0::4] == [p.data_ptr() for p in s.params]
+    assert rows[2::4] == [_native.NO_GRAD if g is None else p.numel() for p, g in zip(s.params, grads)]
+    assert rows[1::4] == [0 if g is None else g.data_ptr() for g in grads]
 
 
 def test_new_table_refused_while_capturing(monkeypatch):

@@ -20,7 +20,6 @@ from torch import Tensor
 
 from .. import _native
 from . import checks
-from .reference import state_layout
 from .registry import Backend
 
 _N = _native
@@ -92,17 +91,13 @@ class CpuBackend(Backend):
                                  growth_factor, backoff_factor, growth_interval)
 
     # ---- the step ------------------------------------------------------------------------------------
-    def _table(self, params, grads, offsets, device: torch.device) -> Tensor:
-        """The tensor table (step_args.h) in memory the kernels can read: host memory here."""
-        return torch.tensor(_N.step_table(params, grads, offsets), dtype=torch.int64)
-
     def _step_head(self, params, grads, master, states, steps, partials, inv_scale, lr, out_stats):
         """Leading kernel arguments shared by every step, and the tensors that must outlive the call."""
         params = list(params)
         grads = list(grads)
-        offsets, total = state_layout([p.numel() for p in params])
+        rows, total = _N.step_table(params, grads)
         _N.check_state_sizes(self.name, [("master", master)] + list(states), total, steps.device)
-        table = self._table(params, grads, offsets, steps.device)
+        table = torch.tensor(rows, dtype=torch.int64)
         partials = _N.partials_arg(partials)
         head = [table.data_ptr(), len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0,
                 _N.grad_code(grads), _N.ptr(master)]

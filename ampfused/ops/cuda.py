@@ -32,7 +32,6 @@ from torch import Tensor
 from .. import _native
 from . import checks
 from .cpu import CpuBackend
-from .reference import state_layout
 
 _N = _native
 _SLOTS = 4096
@@ -148,10 +147,9 @@ class CudaBackend(CpuBackend):
                                  backoff_factor, growth_interval, *self._device_args(scale.device))
 
     # ---- the step ------------------------------------------------------------------------------------
-    def _work(self, params, grads, offsets, codes, steps: Tensor, check) -> _Work:
-        """The cached device work of this step, uploaded first when its table changed (``check`` validates the
-        tensors before a new table is built)."""
-        rows = _N.step_table(params, grads, offsets)
+    def _work(self, rows: List[int], codes, steps: Tensor, check) -> _Work:
+        """The cached device work of this step, uploaded first when its table (``rows``) changed (``check``
+        validates the tensors before a new table is built)."""
         index = _device_index(steps.device)
         key = (index, steps.data_ptr())
         stream = torch.cuda.current_stream(steps.device)
@@ -205,7 +203,7 @@ class CudaBackend(CpuBackend):
                              f"{len(grads)} grads and steps of shape {tuple(steps.shape)}")
         _N.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
         dev = steps.device
-        offsets, total = state_layout([p.numel() for p in params])
+        rows, total = _N.step_table(params, grads)
         _N.check_state_sizes(self.name, [("master", master)] + list(states), total, dev)
         _N.check_device("partials", partials, dev)
         if partials.dtype != torch.float32 or partials.dim() != 2 or partials.shape[0] != 2:
@@ -220,7 +218,7 @@ class CudaBackend(CpuBackend):
         def check():
             checks.step_inputs(params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
 
-        work = self._work(params, grads, offsets, (pcode, gcode), steps, check)
+        work = self._work(rows, (pcode, gcode), steps, check)
         if single_launch and (tuple(partials.shape) != (2, work.num_columns) or not partials.is_contiguous()):
             raise ValueError(f"partials must be a contiguous [2, {work.num_columns}] tensor with single_launch=True "
                              "(the kernel writes the partials of the step's gradients into it, as norm_check "

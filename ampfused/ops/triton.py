@@ -31,7 +31,6 @@ from torch import Tensor
 
 from .. import _native
 from .checks import is_dense
-from .reference import STATE_ALIGN
 from .registry import Backend
 
 try:
@@ -50,20 +49,6 @@ def _capturing(device: torch.device) -> bool:
         return False
     with torch.cuda.device(device):
         return torch.cuda.is_current_stream_capturing()
-
-
-def step_rows(params: List[Tensor], grads: List[Optional[Tensor]]) -> List[int]:
-    """``_native.step_table(params, grads, state_layout(numels)[0])`` in one pass over the tensors (the
-    per-step host work of a cache hit is this loop and one comparison)."""
-    rows: List[int] = []
-    total = 0
-    up = STATE_ALIGN - 1
-    for p, g in zip(params, grads):
-        n = p.numel()
-        offset = (total + up) & ~up
-        total = offset + n
-        rows += (p.data_ptr(), 0, _native.NO_GRAD, offset) if g is None else (p.data_ptr(), g.data_ptr(), n, offset)
-    return rows
 
 
 class TableCache:
@@ -143,7 +128,7 @@ class TritonBackend(Backend):
 
     def _step_plan(self, params: List[Tensor], grads: List[Optional[Tensor]], steps: Tensor, chunk: int):
         """The tensor table and chunk list of a step, reused while the call site's tensors are unchanged."""
-        rows = step_rows(params, grads)
+        rows = _native.step_table(params, grads)[0]
         device = steps.device
         common = _kernels("_common")
         return self.step_tables.get(
