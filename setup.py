@@ -273,6 +273,6 @@ setup(
     cmdclass={"build_ext": NativeBuild},
     install_requires=["torch>=2.4", "numpy", "triton; platform_system == 'Linux'"],
     # the test suite runs the benchmark end to end (table, CSV and plot), so it needs the bench extras too
-    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib", "tqdm"],
+    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib", "tqdm", "safetensors"],
                     "bench": ["matplotlib", "tqdm"]},
 )

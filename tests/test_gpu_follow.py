@@ -156,3 +156,45 @@ def test_transformers_trainer_optimizers_argument_trains_as_torch():
     ref = _trainer_run(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0))
     assert ours[-1] < ours[0]
     assert abs(ours[-1] - ref[-1]) <= 1e-3 * abs(ref[-1]), (ours[-5:], ref[-5:])
+
+
+def _compiled_kernels() -> int:
+    """Compiled variants held by every Triton kernel of ampfused (the first entry of each device cache is its
+    kernel cache in the triton versions supported)."""
+    import importlib
+    total = 0
+    for name in ("adam", "sgd", "norm_check"):
+        mod = importlib.import_module(f"ampfused.triton_kernels.{name}")
+        for obj in vars(mod).values():
+            caches = getattr(obj, "device_caches", None)
+            if caches is not None and hasattr(obj, "run"):
+                total += sum(len(entry[0]) for entry in caches.values())
+    return total
+
+
+@pytest.mark.parametrize("cls,changes", [
+    (ampfused.FusedAdamW, [dict(lr=3e-3), dict(betas=(0.8, 0.95)), dict(eps=1e-6), dict(weight_decay=0.3),
+                           dict(max_grad_norm=0.5), dict(lr="a cuda tensor")]),
+    (ampfused.FusedSGD, [dict(lr=3e-3), dict(momentum=0.5), dict(dampening=0.2), dict(weight_decay=1e-4),
+                         dict(max_grad_norm=0.5)]),
+])
+def test_triton_hyperparameter_changes_do_not_recompile(cls, changes):
+    if "triton" not in _gpu_backends():
+        pytest.skip("triton not available on cuda")
+    model = _model(torch.bfloat16).cuda()
+    kw = dict(lr=1e-2, max_grad_norm=1.0) if cls is ampfused.FusedAdamW else dict(lr=1e-2, momentum=0.9,
+                                                                                   max_grad_norm=1.0)
+    opt = cls(model.parameters(), **kw, backend="triton")
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    for _ in range(2):
+        opt.step()
+    compiled = _compiled_kernels()
+    assert compiled > 0
+    for change in changes:
+        if change.get("lr") == "a cuda tensor":
+            change = dict(lr=torch.tensor(1e-3, device="cuda"))
+        opt.param_groups[0].update(change)
+        opt.step()
+    torch.cuda.synchronize()
+    assert _compiled_kernels() == compiled, "a hyperparameter change compiled a new kernel"

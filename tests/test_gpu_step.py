@@ -31,8 +31,8 @@ def test_gpu_step_matches_reference_without_host_sync(cls, backend):
         if k == 4:
             grads[2][7] = float("inf")
         for a, b, g in zip(ref, new, grads):
-            a.grad.copy_(g)
-            b.grad.copy_(g * scaler.get_scale())
+            a.grad = g.clone()
+            b.grad = g * scaler.get_scale()
         o_ref.step()
         scaler.scale(torch.ones((), device="cuda"))
         torch.cuda.set_sync_debug_mode("error")
@@ -58,6 +58,9 @@ def test_gpu_step_captured_in_cuda_graph(backend):
     lr = torch.tensor(1e-2, device="cuda")
     opt = ampfused.FusedAdamW(params, lr=lr, max_grad_norm=1.0, backend=backend)
     ref = ampfused.FusedAdamW(eager, lr=lr, max_grad_norm=1.0, backend=backend)
+    for p, q in zip(params, eager):  # the gradients live in fixed tensors that the graph reads
+        p.grad = torch.zeros_like(p)
+        q.grad = torch.zeros_like(q)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

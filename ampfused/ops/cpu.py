@@ -97,13 +97,12 @@ class CpuBackend(Backend):
         grads = list(grads)
         rows, total = _N.step_table(params, grads)
         _N.check_state_sizes(self.name, [("master", master)] + list(states), total, steps.device)
-        table = torch.tensor(rows, dtype=torch.int64)
         partials = _N.partials_arg(partials)
-        head = [table.data_ptr(), len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0,
+        head = [rows, len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0,
                 _N.grad_code(grads), _N.ptr(master)]
         tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], partials.data_ptr(), partials.shape[1],
                 inv_scale.data_ptr(), lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr()]
-        return head, tail, (table, partials)
+        return head, tail, partials
 
     def adam_step_(self, params, grads, master: Optional[Tensor], exp_avg: Tensor, exp_avg_sq: Tensor,
                    steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta1: float,

@@ -121,7 +121,14 @@ bool prologue(const StepArgs& a, double max_norm, float* coef) {
   return !found_inf;
 }
 
-// The parameters that have a gradient, from the tensor table (host memory here).
+// The tensor table arrives as a list of ints (host memory: no tensor to build for it).
+void check_table(const std::vector<int64_t>& table, int64_t count) {
+  if (count < 0 || int64_t(table.size()) != count * kTableCols) {
+    throw std::invalid_argument("the tensor table must hold " + std::to_string(kTableCols) + " ints per parameter");
+  }
+}
+
+// The parameters that have a gradient, from the tensor table.
 std::vector<int64_t> active_rows(const StepArgs& a) {
   std::vector<int64_t> rows;
   for (int64_t k = 0; k < a.count; ++k) {
@@ -145,13 +152,14 @@ void advance_steps(const StepArgs& a, const std::vector<int64_t>& rows) {
   for (int64_t k : rows) add_one(scalar_at(a.steps, a.step_code, k), a.step_code);
 }
 
-void adam_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
+void adam_step(const std::vector<int64_t>& table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
                uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t steps, int step_code, uintptr_t partials,
                int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats,
                double beta1, double beta2, double eps, double weight_decay, double max_norm, bool decoupled,
                bool maximize, int nthreads) {
-  const StepArgs a = step_args(table, count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq, steps, step_code,
-                               partials, num_partials, inv_scale, lr, lr_code, out_stats);
+  check_table(table, count);
+  const StepArgs a = step_args(uintptr_t(table.data()), count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq,
+                               steps, step_code, partials, num_partials, inv_scale, lr, lr_code, out_stats);
   py::gil_scoped_release nogil;
   float coef;
   if (!prologue(a, max_norm, &coef)) return;
@@ -168,12 +176,14 @@ void adam_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, 
   advance_steps(a, rows);
 }
 
-void sgd_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
+void sgd_step(const std::vector<int64_t>& table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
               uintptr_t momentum_buf, uintptr_t steps, int step_code, uintptr_t partials, int64_t num_partials,
               uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double momentum,
               double dampening, double weight_decay, bool nesterov, double max_norm, bool maximize, int nthreads) {
-  const StepArgs a = step_args(table, count, param_dtype, grad_dtype, master, momentum != 0.0 ? momentum_buf : 0, 0,
-                               steps, step_code, partials, num_partials, inv_scale, lr, lr_code, out_stats);
+  check_table(table, count);
+  const StepArgs a = step_args(uintptr_t(table.data()), count, param_dtype, grad_dtype, master,
+                               momentum != 0.0 ? momentum_buf : 0, 0, steps, step_code, partials, num_partials, inv_scale,
+                               lr, lr_code, out_stats);
   py::gil_scoped_release nogil;
   float coef;
   if (!prologue(a, max_norm, &coef)) return;
