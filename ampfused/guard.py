@@ -74,6 +74,15 @@ class SpikeGuard:
             self._losses = _Window(self.window, device)
             self.spikes = torch.zeros((), dtype=torch.int64, device=device)  # steps judged spikes
 
+    def to_(self, device) -> None:
+        """Move the windows and counters to ``device`` (the optimizer's parameters moved there)."""
+        if self._device is None or torch.device(device) == self._device:
+            return
+        self._device = torch.device(device)
+        for win in (self._norms, self._losses):
+            win.values, win.count = win.values.to(device), win.count.to(device)
+        self.spikes = self.spikes.to(device)
+
     def _over(self, value: Tensor, absolute: Optional[float], factor: Optional[float], win: _Window) -> Tensor:
         out = torch.zeros((), dtype=torch.bool, device=value.device)
         if absolute is not None:

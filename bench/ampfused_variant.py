@@ -181,10 +181,17 @@ def ampfused_backends(device: torch.device) -> List[str]:
     return [b for b in ops.available_backends(device) if not (b == "triton" and device.type != "cuda")]
 
 
-def ampfused_variants(device: torch.device, api: str = "auto") -> List[Variant]:
-    """Each backend with gradients refilled in place; the best one also with gradients set to None."""
+def ampfused_variants(device: torch.device, api: str = "auto", names: Optional[List[str]] = None) -> List[Variant]:
+    """Each fast backend with gradients refilled in place, the best one also with gradients set to None. The
+    reference backend is the specification every variant is checked against, not a contender: it is timed
+    only when ``names`` asks for it (``--variants ampfused-reference``)."""
     backends = ampfused_backends(device)
-    out = [AmpfusedVariant(b, api) for b in backends]
-    if backends and api != "functional":
-        out.insert(1, AmpfusedVariant(backends[0], api, grads_to_none=True))
+    fast = [b for b in backends if b != "reference"]
+    out = [AmpfusedVariant(b, api) for b in fast]
+    if fast and api != "functional":
+        out.insert(1, AmpfusedVariant(fast[0], api, grads_to_none=True))
+    if "reference" in backends and names and any(n.startswith("ampfused-reference") for n in names):
+        out.append(AmpfusedVariant("reference", api))
+        if api != "functional":
+            out.append(AmpfusedVariant("reference", api, grads_to_none=True))
     return out

@@ -126,7 +126,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    check_elements=args.check_elements, keep_going=args.keep_going)
     instances = _plan(args, device)
     variants = select(torch_variants(args.compile_budget or d["compile_budget"])
-                      + ampfused_variants(device, args.ampfused_api), args.variants)
+                      + ampfused_variants(device, args.ampfused_api, args.variants), args.variants)
     env = envmod.describe(device)
     # rows carry no scaler column: a run without one gets its own file rather than overwrite the default's
     stem = args.name or envmod.device_stem(device) + ("-noscaler" if args.no_scaler else "")

@@ -21,7 +21,10 @@
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -181,6 +184,25 @@ def _transient_peak(prof) -> Optional[int]:
     return peak
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Silence what native code prints straight to file descriptor 2 (the profiler's start/stop lines),
+    leaving Python's own warnings and errors, which go through sys.stderr, alone."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real descriptor 2 (an embedding, a captured stream): nothing to do
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 @dataclass
 class StepProfile:
     launches: Optional[int]
@@ -196,7 +218,7 @@ def profile_step(step: Callable[[], None], refill: Callable[[], None], device: t
     refill()
     synchronize(device)
     if device.type == "cuda":
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize(device)
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
@@ -217,6 +239,6 @@ def profile_step(step: Callable[[], None], refill: Callable[[], None], device: t
         syncs = sum("synchroniz" in str(w.message) for w in caught)
         transient = torch.cuda.max_memory_allocated(device) - before
         return StepProfile(len(kernels), syncs, transient)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     return StepProfile(None if compiled else _outermost_operators(prof.events()), None, _transient_peak(prof))

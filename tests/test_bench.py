@@ -26,7 +26,9 @@ def _instance(dtype="bf16", clip=True, scaler=True, name="3001x7"):
 
 
 def _variants():
-    return [TorchForeach(), TorchFused()] + ampfused_variants(CPU, "optimizer") + ampfused_variants(CPU, "functional")
+    everything = ["ampfused-reference", "ampfused-reference+none"]
+    return ([TorchForeach(), TorchFused()] + ampfused_variants(CPU, "optimizer", everything)
+            + ampfused_variants(CPU, "functional", everything))
 
 
 @pytest.mark.parametrize("scaler", [True, False], ids=["scaler", "noscaler"])
@@ -105,7 +107,7 @@ def test_end_to_end_writes_the_csv_table_and_plot(tmp_path, capsys):
 
 
 def test_a_wrong_variant_stops_the_benchmark_loudly(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "ampfused_variants", lambda device, api: [_Wrong("wrong", clip=False)])
+    monkeypatch.setattr(cli, "ampfused_variants", lambda device, api, names=None: [_Wrong("wrong", clip=False)])
     assert cli.main(_argv(tmp_path, "torch-fused,wrong")) == 1
     err = capsys.readouterr().err
     assert "wrong computes something else" in err and "exp_avg" in err

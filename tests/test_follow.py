@@ -260,3 +260,20 @@ def test_state_assigned_by_a_framework_is_what_the_optimizer_uses():
     opt.state[w] = {k: v.clone() for k, v in opt.state[w].items()}
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], torch.full(w.shape, 0.5))
     assert opt.state[w]["exp_avg"].data_ptr() == opt._segments[0].view(opt._segments[0].states["exp_avg"], 0).data_ptr()
+
+
+def test_a_parameter_that_changed_shape_is_refused_before_any_change():
+    model = _model()
+    opt = ampfused.FusedAdamW(model.parameters(), **HYPER)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[model[2].bias].items()}
+    w = model[0].weight
+    w.data = torch.randn(7, 6, dtype=torch.bfloat16)
+    w.grad = torch.ones_like(w)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] changed shape from \(5, 6\) to "
+                                         r"\(7, 6\) since the optimizer last saw it"):
+        opt.step()
+    for k, v in before.items():
+        assert torch.equal(opt.state[model[2].bias][k], v), k

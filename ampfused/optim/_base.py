@@ -182,6 +182,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if old:
             for name, t in old.items():
                 getattr(self, name).copy_(t)
+        if getattr(self, "spike_guard", None) is not None:
+            self.spike_guard.to_(device)
         self._device = device
 
     # --- construction -------------------------------------------------------------------------------------
@@ -301,6 +303,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Rebuild the segments of these groups from their parameters as they are now, carrying state
         (``carried``: ``id(new parameter) -> the parameter whose state it takes over``)."""
         everything = [(gi, k, p) for gi, g in enumerate(self.param_groups) for k, p in enumerate(g["params"])]
+        previous = {id(p): (seg, i) for seg in self._segments for i, p in enumerate(seg.params)}
+        for new_id, old in (carried or {}).items():
+            if id(old) in previous:
+                seg, i = previous[id(old)]
+                new = next(p for g in self.param_groups for p in g["params"] if id(p) == new_id)
+                if seg.layouts[i][2] == tuple(new.shape):  # same shape: it takes over the old one's state
+                    previous[new_id] = (seg, i)
         devices = {}
         seen = set()
         for gi, k, p in everything:
@@ -314,18 +323,17 @@ class FusedOptimizer(torch.optim.Optimizer):
                                      "parameters need fp32 master weights")
             seen.add(id(p))
             devices.setdefault(p.device, (gi, k, p))
+            old = previous.get(id(p))
+            if old is not None and old[0].layouts[old[1]][2] != tuple(p.shape):
+                raise ValueError(f"param_groups[{gi}]['params'][{k}] changed shape from {old[0].layouts[old[1]][2]} "
+                                 f"to {tuple(p.shape)} since the optimizer last saw it: its optimizer state cannot "
+                                 "follow (torch.optim's cannot either). Give the optimizer a state dict for the new "
+                                 "shape, or build a new optimizer.")
         if len(devices) > 1:
             where = "; ".join(f"param_groups[{gi}]['params'][{k}] (shape {tuple(p.shape)}) is on {d}"
                               for d, (gi, k, p) in devices.items())
             raise ValueError(f"a fused optimizer's parameters must all be on one device, but {where}. Move the whole "
                              "model (or every parameter given to this optimizer) to one device.")
-        previous = {id(p): (seg, i) for seg in self._segments for i, p in enumerate(seg.params)}
-        for new_id, old in (carried or {}).items():
-            if id(old) in previous:
-                seg, i = previous[id(old)]
-                new = next(p for g in self.param_groups for p in g["params"] if id(p) == new_id)
-                if seg.layouts[i][2] == tuple(new.shape):  # same shape: it takes over the old one's state
-                    previous[new_id] = (seg, i)
         segments: List[Segment] = []
         for gi, group in enumerate(self.param_groups):
             if gi not in groups_to_pack:
@@ -336,7 +344,11 @@ class FusedOptimizer(torch.optim.Optimizer):
                 by_dtype.setdefault(p.dtype, []).append(p)
             for dtype, ps in by_dtype.items():
                 segments.append(build_segment(gi, ps, self._use_master(dtype), self.state_names, previous))
-            self._packed_groups[gi] = list(group["params"])
+        owner = weakref.ref(self)
+        for gi in groups_to_pack:
+            self._packed_groups[gi] = list(self.param_groups[gi]["params"])
+            for p in self._packed_groups[gi]:
+                _OWNERS[p] = owner
         kept = {id(p) for s in segments for p in s.params}
         for seg in self._segments:
             for p in seg.params:
