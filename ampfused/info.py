@@ -78,6 +78,9 @@ def _native_rows() -> List[str]:
     return rows
 
 
+NO_CUDA = "no CUDA device here (torch.cuda.is_available() is False)"
+
+
 def op_table() -> List[Tuple[str, str, str, str]]:
     """(op, backend, device, 'ok' or the reasons it cannot run there) for every op x backend x device."""
     devices = [torch.device("cpu"), torch.device("cuda")]
@@ -85,6 +88,8 @@ def op_table() -> List[Tuple[str, str, str, str]]:
     for name in registry.registered_backends():
         for dev in devices:
             reasons = registry.reasons_for(name, dev, DTYPES)
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                reasons = [NO_CUDA]  # whatever else a backend says, nothing runs on a device that is not there
             b = None if reasons and reasons[0].startswith("cannot import") else registry.get_backend(name)
             for op in OPS:
                 why = list(reasons)
@@ -114,6 +119,9 @@ def report() -> str:
         lines.append(f"  {op:<14}" + "".join(f"{cell[op, n, d]:<{width}}" for n, d in cols))
     lines += [f"  [{i + 1}] {why}" for i, why in enumerate(notes)]
     for dev in ("cpu", "cuda"):
+        if dev == "cuda" and not torch.cuda.is_available():
+            lines.append(f"  dispatch on cuda: none ({NO_CUDA})")
+            continue
         picked = registry.available_backends(dev, DTYPES)
         lines.append(f"  dispatch on {dev}: {picked[0] if picked else 'no backend'}")
     return "\n".join(lines)

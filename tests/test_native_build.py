@@ -105,3 +105,28 @@ def test_info_runs():
     for text in ("ampfused 0.1", "torch ", "triton ", "nvcc ", "native modules:", "ampfused._C", "ampfused._C_cuda",
                  "ops x backends", "adam_step_", "dispatch on cpu"):
         assert text in r.stdout, f"{text!r} missing from python -m ampfused.info:\n{r.stdout}"
+
+
+def test_a_broken_native_build_warns_once_when_ops_fall_back(monkeypatch):
+    import warnings
+
+    from ampfused.ops import registry
+    cpu = registry.get_backend("cpu")
+    if cpu is None or cpu.unavailable_reason():
+        pytest.skip("the cpu backend is not built here")
+    why = "ampfused._C is stale: built from csrc/ sources 0000; rebuild with `pip install -e .` from the checkout"
+    monkeypatch.setattr(type(cpu), "unavailable_reason", lambda self: why)
+    monkeypatch.setattr(registry, "_warned", set())
+    ops._resolved.clear()
+    g = [torch.ones(3)]
+    try:
+        with pytest.warns(UserWarning, match=r"the cpu backend cannot load \(ampfused\._C is stale.*pip install -e "
+                                             r"\..*\); ops on cpu tensors run on the reference backend instead"):
+            ops.norm_check(g, torch.ones(()))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ops.norm_check(g, torch.ones(()))  # once only
+            ops._resolved.clear()
+            ops.norm_check(g, torch.ones(()), backend="reference")  # a chosen backend: no word
+    finally:
+        ops._resolved.clear()

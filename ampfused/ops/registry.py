@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from typing import Dict, Iterable, List, Optional
 
 import torch
@@ -95,6 +96,22 @@ def available_backends(device="cpu", dtypes: Iterable[torch.dtype] = ()) -> List
     return [n for n in names if not reasons_for(n, device, dtypes)]
 
 
+_warned: set = set()
+
+
+def _warn_fallback(device: torch.device, best: str, used: str) -> None:
+    """Once per device type: the best backend could not load (a missing or stale build, a missing package),
+    so ops run on a slower one. Naming a backend (``backend=`` or ``AMPFUSED_BACKEND``) skips this."""
+    b = get_backend(best)
+    why = _import_errors.get(best) if b is None else b.unavailable_reason()
+    if not why or (device.type, best) in _warned:
+        return  # it cannot run for another reason (device, dtypes): not a broken install
+    _warned.add((device.type, best))
+    warnings.warn(f"ampfused: the {best} backend cannot load ({why}); ops on {device.type} tensors run on the "
+                  f"{used} backend instead, which is slower. Pass backend= (or set {ENV_VAR}) to choose a backend "
+                  "and silence this warning.", stacklevel=4)
+
+
 def resolve(device, dtypes: Iterable[torch.dtype] = (), backend: Optional[str] = None) -> Backend:
     """The backend to run on ``device``: the named one (argument, else ``AMPFUSED_BACKEND``) or the first
     supported one in priority order."""
@@ -114,6 +131,8 @@ def resolve(device, dtypes: Iterable[torch.dtype] = (), backend: Optional[str] =
     for n in PRIORITY.get(device.type, ["reference"]):
         reasons = reasons_for(n, device, dtypes)
         if not reasons:
+            if tried:
+                _warn_fallback(device, PRIORITY[device.type][0], n)
             return get_backend(n)
         tried.append(f"{n}: " + "; ".join(reasons))
     raise RuntimeError(f"no ampfused backend can run on {device} with dtypes {[str(d) for d in dtypes]}: "

@@ -1,0 +1,82 @@
+"""What the README promises about the API is the API: every signature it prints is the real one, and its ops
+table names exactly the ops that ``python -m ampfused.info`` reports."""
+import ast
+import inspect
+import os
+import re
+
+import pytest
+
+import ampfused
+from ampfused import info
+
+README = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+
+
+def _call_text(start: str) -> str:
+    """The README text of the call that begins with ``start`` (up to its closing parenthesis)."""
+    i = README.index(start)
+    depth, j = 0, README.index("(", i)
+    while True:
+        c = README[j]
+        depth += c == "("
+        depth -= c == ")"
+        j += 1
+        if depth == 0:
+            return README[i:j]
+
+
+NONE = object()  # no default
+
+
+def _params_of(call: str) -> list:
+    """(name, kind, default) of every parameter of a call written as a signature."""
+    args = re.sub(r"\s+", " ", call[call.index("(") + 1:-1].replace("`", ""))
+    fn = ast.parse(f"def f({args}): pass").body[0].args
+    out = []
+    positional = fn.posonlyargs + fn.args
+    defaults = [None] * (len(positional) - len(fn.defaults)) + fn.defaults
+    for a, d in zip(positional, defaults):
+        out.append((a.arg, "positional", NONE if d is None else ast.unparse(d)))
+    for a, d in zip(fn.kwonlyargs, fn.kw_defaults):
+        out.append((a.arg, "keyword", NONE if d is None else ast.unparse(d)))
+    return out
+
+
+def _real(obj) -> list:
+    sig = inspect.signature(obj)
+    out = []
+    for p in sig.parameters.values():
+        if p.name == "self":
+            continue
+        kind = "keyword" if p.kind is p.KEYWORD_ONLY else "positional"
+        default = NONE if p.default is p.empty else p.default
+        out.append((p.name, kind, default))
+    return out
+
+
+def _same_default(written, real) -> bool:
+    if written is NONE or real is NONE:
+        return written is real
+    return eval(written, {"__builtins__": {}}) == real  # constants and arithmetic on them (2.**16)
+
+
+@pytest.mark.parametrize("start,obj", [
+    ("FusedAdamW(params", ampfused.FusedAdamW),
+    ("FusedAdam(params", ampfused.FusedAdam),
+    ("FusedSGD(params", ampfused.FusedSGD),
+    ("ampfused.GradScaler(device", ampfused.GradScaler),
+    ("ampfused.clip_grad_norm_(parameters", ampfused.clip_grad_norm_),
+])
+def test_every_public_signature_in_the_readme_is_the_real_one(start, obj):
+    written = _params_of(_call_text(start))
+    real = _real(obj)
+    assert [(n, k) for n, k, _ in written] == [(n, k) for n, k, _ in real], (written, real)
+    for (name, _, w), (_, _, r) in zip(written, real):
+        assert _same_default(w, r), f"{start}...: {name}={w} in the README, {r!r} in the code"
+
+
+def test_the_ops_table_names_the_ops_info_reports():
+    table = README[README.index("### `ampfused.ops`"):README.index("Helpers (plain Python, no backend)")]
+    named = re.findall(r"^\| `(\w+)\(", table, re.M)
+    assert named == list(info.OPS)
