@@ -7,4 +7,4 @@ def test_demo_runs_and_matches(capsys):
     out = capsys.readouterr().out
     assert "MATCH: ampfused reproduces torch's run bit for bit" in out
     assert "bf16 weights are the fp32 masters rounded to nearest even: yes" in out
-    assert "2^" in out and "e+0" not in out  # scales read as powers of two
+    assert "2^14" in out and "e+06" not in out  # scales read as powers of two
