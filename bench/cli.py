@@ -19,7 +19,10 @@ from .variants import select, torch_variants
 DESCRIPTION = ("ampfused's fused optimizer step against torch's mixed-precision recipes. Every variant is "
                "checked against ampfused.ops.reference before it is timed; results go to <out>/<device>.csv, "
                ".txt and .png.")
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# Results go outside the checkout unless asked (committing a run under bench/results is a deliberate choice).
+RESULTS = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                       "ampfused", "bench")
+COMMITTED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 PER_DEVICE = {  # warmup, reps, seconds per measurement, copy buffer MB, compile budget s (whole run)
     # the 2-3 check steps before timing warm a variant up too (first touch, compilation)
     "cpu": dict(warmup=1, reps=20, max_seconds=6.0, copy_mb=512, compile_budget=180.0),
@@ -80,7 +83,8 @@ def parser() -> argparse.ArgumentParser:
                         f"(default {MAX_ELEMENTS})")
     p.add_argument("--copy-mb", type=int, default=None, help="buffer size for the copy-bandwidth measurement (default: cpu 512, cuda 2048)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
-    p.add_argument("--out", default=RESULTS, help="output directory (default: bench/results)")
+    p.add_argument("--out", default=RESULTS, help=f"output directory (default: {RESULTS}; pass bench/results to "
+                                                   "commit a run with the project)")
     p.add_argument("--name", default=None,
                    help="file stem (default: the device, e.g. cpu-Intel-Xeon-2.50GHz, + -noscaler with --no-scaler)")
     p.add_argument("--compare", metavar="FILE", default=None, help="print the change against a saved CSV")
@@ -157,7 +161,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # measured again at the end; the higher of the two is the yardstick (a busy machine only lowers it)
     copy1, rmw1 = measure.copy_bandwidth(device, nbytes), measure.rmw_bandwidth(device, nbytes)
     copy_gbps, rmw_gbps = max(copy0, copy1), max(rmw0, rmw1)
-    report.fill_bandwidth(outcome.rows, copy_gbps)
+    report.fill_bandwidth(outcome.rows, copy_gbps, rmw_gbps)
     elapsed = time.perf_counter() - t0
     i0 = instances[0]
     recipe = (f"step: AdamW lr={i0.lr:g} betas={i0.betas} eps={i0.eps:g} weight_decay={i0.weight_decay:g}, "
@@ -172,9 +176,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("\n" + text)
     if outcome.rows:
         report.write_csv(outcome.rows, csv_path)
-        with open(os.path.join(args.out, stem + ".txt"), "w") as f:
+        txt_path = os.path.join(args.out, stem + ".txt")
+        with open(txt_path, "w") as f:
             f.write(text + "\n")
-        print(f"\nwrote {csv_path}")
+        print(f"\nwrote {csv_path}\nwrote {txt_path}")
         if not args.no_plot:
             from .plot import plot_csv
             png = plot_csv(csv_path, os.path.join(args.out, stem + ".png"))

@@ -8,7 +8,7 @@ from typing import Dict, Iterable, List, Optional
 COLUMNS = ["device", "torch", "triton", "git_sha", "workload", "numel", "tensors", "grad_dtype", "param_dtype",
            "clip", "variant", "backend", "median_ms", "p20_ms", "p80_ms", "gbps_effective", "copy_gbps",
            "pct_of_copy_bw", "speedup_vs_torch_fused", "speedup_vs_torch_foreach", "host_syncs", "launches",
-           "peak_mem_mb"]
+           "peak_mem_mb", "rmw_gbps"]
 NA = "n/a"  # what cannot be measured here, or has no baseline to compare with
 TORCH_VARIANTS = ("torch-foreach", "torch-fused", "torch-compile")
 
@@ -29,9 +29,10 @@ def fill_speedups(rows: List[dict]) -> None:
             r[col] = f"{b[v] / float(r['median_ms']):.4g}" if v in b else NA
 
 
-def fill_bandwidth(rows: List[dict], copy_gbps: float) -> None:
+def fill_bandwidth(rows: List[dict], copy_gbps: float, rmw_gbps: Optional[float] = None) -> None:
     for r in rows:
         r["copy_gbps"] = f"{copy_gbps:.4g}"
+        r["rmw_gbps"] = f"{rmw_gbps:.4g}" if rmw_gbps is not None else NA
         r["pct_of_copy_bw"] = f"{100 * float(r['gbps_effective']) / copy_gbps:.4g}"
 
 
@@ -54,7 +55,7 @@ def read_csv(path: str) -> List[dict]:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     if rows and list(rows[0].keys()) != COLUMNS:
-        missing = [c for c in COLUMNS if c not in rows[0]]
+        missing = [c for c in COLUMNS if c not in rows[0] and c != "rmw_gbps"]  # older runs lack rmw_gbps
         if missing:
             raise ValueError(f"{path} is not a benchmark CSV: missing columns {missing}")
     return rows
