@@ -166,6 +166,16 @@ class NativeBuild(build_ext):
             out = self.get_ext_fullpath(ext.name)
             os.makedirs(os.path.dirname(out), exist_ok=True)
             self._run([cxx, "-shared", "-o", out] + objs + ext.link_flags)
+        self._summary([ext.name for ext in self.extensions])
+
+    @staticmethod
+    def _summary(built) -> None:
+        """One line per native module: built, or skipped and why (pip shows it with -v; `python -m ampfused.info`
+        tells the same after the install)."""
+        lines = []
+        for name, why in [("ampfused._C", SKIPPED.get("cpu")), ("ampfused._C_cuda", SKIPPED.get("cuda"))]:
+            lines.append(f"ampfused: {name}: " + ("built" if name in built else f"skipped ({why or 'not requested'})"))
+        print("\n".join(lines), file=sys.stderr, flush=True)
 
     def copy_file(self, infile, outfile, *args, **kwargs):
         """Replace (new inode), never overwrite in place: a running process may have the old module mapped."""
@@ -209,8 +219,12 @@ def accepts_flag(cxx, flag) -> bool:
     return probe.returncode == 0
 
 
+SKIPPED = {}  # module kind -> why it is not built
+
+
 def native_extensions():
     if SKIP_NATIVE:
+        SKIPPED.update(cpu="AMPFUSED_SKIP_NATIVE_BUILD=1", cuda="AMPFUSED_SKIP_NATIVE_BUILD=1")
         return []
     cxx = os.environ.get("CXX", "c++")
     src_hash = sources_hash()
@@ -252,9 +266,12 @@ def native_extensions():
         exts.append(NativeExtension("ampfused._C_cuda", cuda_sources, nvcc=nvcc, nvcc_flags=nvcc_flags,
                                     cxx_flags=flags, link_flags=cuda_link,
                                     per_source={"module.cpp": cuda_identity}))
-    elif not SKIP_CUDA:
-        print("ampfused: nvcc not found (set CUDA_HOME to build the CUDA backend); building the CPU backend only",
-              file=sys.stderr)
+    elif SKIP_CUDA:
+        SKIPPED["cuda"] = "AMPFUSED_SKIP_CUDA_BUILD=1"
+    else:
+        SKIPPED["cuda"] = ("nvcc not found: set CUDA_HOME to build the CUDA backend" if not nvcc else
+                           f"no CUDA toolkit headers next to {nvcc}: set CUDA_HOME")
+        print(f"ampfused: {SKIPPED['cuda']}; building the CPU backend only", file=sys.stderr)
     return exts
 
 
