@@ -376,3 +376,17 @@ def test_torch_keyword_arguments_are_accepted_for_drop_in_use():
     assert opt.param_groups[0]["amsgrad"] is False
     with pytest.raises(ValueError, match="differentiable=True"):
         ampfused.FusedSGD(model.parameters(), lr=0.1, differentiable=True)
+
+
+def test_model_and_optimizer_saved_together_resume():
+    model, opt, idx = _trained()
+    buf = io.BytesIO()
+    torch.save((model, opt), buf)
+    buf.seek(0)
+    model2, opt2 = torch.load(buf, weights_only=False)
+    assert opt2.param_groups[0]["params"][0] is model2.wte.weight
+    for m, o in ((model, opt), (model2, opt2)):
+        _loss(m, idx).backward()
+        o.step()
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert_bitwise("resumed from a pickle", q.detach(), p.detach())

@@ -132,7 +132,6 @@ class FusedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands us grad_scale / found_inf
     _ampfused_fused = True  # ampfused.GradScaler and clip_grad_norm_ use the hooks below
     state_names: tuple = ()
-    step_op: str = ""
 
     def __init__(self, params, defaults: dict, *, max_grad_norm: Optional[float], master_weights: Optional[bool],
                  backend: Optional[str], spike_guard: Optional[SpikeGuard] = None, track_nonfinite: bool = False,
@@ -178,7 +177,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._one = torch.ones((), **f32)
         self._overflow = torch.zeros((), **f32)  # found_inf alone, when a guard runs
         self._steps_at_load = torch.zeros((), **f32)
-        self._spikes_at_load = 0.0
+        self._spikes_at_load = getattr(self, "_spikes_at_load", 0.0)
         if old:
             for name, t in old.items():
                 getattr(self, name).copy_(t)
@@ -691,7 +690,9 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # --- copies and pickles -------------------------------------------------------------------------------
     def __getstate__(self) -> dict:
-        return dict(self.__dict__)
+        state = dict(self.__dict__)
+        state["_replaced"] = None  # weak references do not pickle; pending swaps are taken at the next step
+        return state
 
     def __setstate__(self, state: dict) -> None:
         if "_segments" not in state:  # pickled by an older ampfused or by torch.optim.Optimizer.__getstate__
@@ -706,6 +707,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._packed_groups = [None] * len(self.param_groups)
         else:
             self.__dict__.update(state)
+            self._replaced = WeakIdKeyDictionary()
         super().__setstate__(dict(self.__dict__))
         owner = weakref.ref(self)
         for g in self.param_groups:
