@@ -161,6 +161,25 @@ def _load_chunk(table_ptr, chunks_ptr, c, COLS: tl.constexpr):
 
 
 @triton.jit
+def _step_chunk(table_ptr, chunks_ptr, c, master_ptr, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+                HAS_MASTER: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr):
+    """What a step needs of chunk ``c``: ``(row, param, grad, state offset, count, w)`` with typed pointers to
+    the chunk's first element of the parameter, its gradient and its compute copy ``w`` (the master's slice,
+    or the parameter itself without a master), the chunk's offset in the flat state buffers and its length.
+    64-bit offsets throughout: parameters and state buffers over 2**31 elements are real."""
+    row, start, entry = _load_chunk(table_ptr, chunks_ptr, c, STEP_COLS)
+    param_ptr = _chunk_ptr(tl.load(entry + COL_PARAM), start, PARAM_DTYPE, ALIGNED)
+    grad_ptr = _chunk_ptr(tl.load(entry + COL_GRAD), start, GRAD_DTYPE, ALIGNED)
+    state = tl.load(entry + COL_OFFSET) + start
+    count = tl.minimum(tl.load(entry + COL_NUMEL) - start, CHUNK).to(tl.int32)
+    if HAS_MASTER:
+        w_ptr = _state_ptr(master_ptr, state)
+    else:
+        w_ptr = param_ptr
+    return row, param_ptr, grad_ptr, state, count, w_ptr
+
+
+@triton.jit
 def _advance_steps(steps_ptr, table_ptr, T, counter_ptr, TBLOCK: tl.constexpr):
     """The last program of the launch to arrive adds 1 to ``steps[i]`` for every parameter ``i`` that has a
     gradient (a table row whose numel is not NO_GRAD) and resets the arrival counter.

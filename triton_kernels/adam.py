@@ -24,9 +24,8 @@ import math
 import triton
 import triton.language as tl
 
-from ._common import (COL_GRAD, COL_NUMEL, COL_OFFSET, COL_PARAM, LAUNCH_OPTIONS, STEP_COLS, TL_DTYPES,
-                      _advance_steps, _chunk_ptr, _expm1, _load, _load_chunk, _prologue, _round_to, _state_ptr,
-                      _store, _to_f32, device_guard, grid_size, nonempty)
+from ._common import (LAUNCH_OPTIONS, TL_DTYPES, device_guard, grid_size, nonempty, _advance_steps, _expm1, _load,
+                      _prologue, _round_to, _state_ptr, _step_chunk, _store, _to_f32)
 
 BLOCK = 1024        # elements per program per iteration (8 per thread with 4 warps)
 CHUNK = 8 * BLOCK   # elements per chunk-list entry
@@ -82,18 +81,10 @@ def _adam_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, exp_avg_ptr, 
         decay = 1.0 - lr * weight_decay
         lanes = tl.arange(0, BLOCK)
         for c in range(tl.program_id(0), num_chunks, tl.num_programs(0)):
-            row, start, entry = _load_chunk(table_ptr, chunks_ptr, c, STEP_COLS)
-            # 64-bit offsets: parameters and state buffers over 2**31 elements are real
-            param_ptr = _chunk_ptr(tl.load(entry + COL_PARAM), start, PARAM_DTYPE, ALIGNED)
-            grad_ptr = _chunk_ptr(tl.load(entry + COL_GRAD), start, GRAD_DTYPE, ALIGNED)
-            state = tl.load(entry + COL_OFFSET) + start
-            count = tl.minimum(tl.load(entry + COL_NUMEL) - start, CHUNK).to(tl.int32)
+            row, param_ptr, grad_ptr, state, count, w_ptr = _step_chunk(
+                table_ptr, chunks_ptr, c, master_ptr, PARAM_DTYPE, GRAD_DTYPE, HAS_MASTER, ALIGNED, CHUNK)
             exp_avg_c = _state_ptr(exp_avg_ptr, state)
             exp_avg_sq_c = _state_ptr(exp_avg_sq_ptr, state)
-            if HAS_MASTER:
-                w_ptr = _state_ptr(master_ptr, state)
-            else:
-                w_ptr = param_ptr
             # this parameter's step: t = steps[row] + 1; 1 - beta**t as -expm1(t * log(beta)), as the
             # reference computes it
             t = tl.load(steps_ptr + row).to(tl.float32) + 1.0

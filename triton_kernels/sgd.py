@@ -11,9 +11,8 @@ import math
 import triton
 import triton.language as tl
 
-from ._common import (COL_GRAD, COL_NUMEL, COL_OFFSET, COL_PARAM, LAUNCH_OPTIONS, STEP_COLS, TL_DTYPES,
-                      _advance_steps, _chunk_ptr, _load, _load_chunk, _prologue, _round_to, _state_ptr, _store,
-                      _to_f32, device_guard, grid_size, nonempty)
+from ._common import (LAUNCH_OPTIONS, TL_DTYPES, device_guard, grid_size, nonempty, _advance_steps, _load, _prologue,
+                      _round_to, _state_ptr, _step_chunk, _store, _to_f32)
 
 BLOCK = 1024
 CHUNK = 8 * BLOCK
@@ -63,16 +62,9 @@ def _sgd_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, buf_ptr, steps
         lr = tl.load(lr_ptr).to(tl.float32)
         lanes = tl.arange(0, BLOCK)
         for c in range(tl.program_id(0), num_chunks, tl.num_programs(0)):
-            row, start, entry = _load_chunk(table_ptr, chunks_ptr, c, STEP_COLS)
-            param_ptr = _chunk_ptr(tl.load(entry + COL_PARAM), start, PARAM_DTYPE, ALIGNED)
-            grad_ptr = _chunk_ptr(tl.load(entry + COL_GRAD), start, GRAD_DTYPE, ALIGNED)
-            state = tl.load(entry + COL_OFFSET) + start
-            count = tl.minimum(tl.load(entry + COL_NUMEL) - start, CHUNK).to(tl.int32)
+            row, param_ptr, grad_ptr, state, count, w_ptr = _step_chunk(
+                table_ptr, chunks_ptr, c, master_ptr, PARAM_DTYPE, GRAD_DTYPE, HAS_MASTER, ALIGNED, CHUNK)
             buf_c = _state_ptr(buf_ptr, state)
-            if HAS_MASTER:
-                w_ptr = _state_ptr(master_ptr, state)
-            else:
-                w_ptr = param_ptr
             first = tl.load(steps_ptr + row) == 0.0  # this parameter's first step
             full = count // BLOCK
             for b in range(0, full):
