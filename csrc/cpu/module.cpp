@@ -147,8 +147,22 @@ StepBufs bufs_of(const StepArgs& a) {
   return StepBufs{a.param_dtype, a.grad_dtype, a.master, a.state1, a.state2};
 }
 
-// Each parameter's step count advances by one after its update (never on a skipped step).
-void advance_steps(const StepArgs& a, const std::vector<int64_t>& rows) {
+// The step after the tensor table was checked: prologue (skip on found_inf), per-parameter constants from each
+// one's own step count (make(coef, lr, step) -> Consts), the update over every parameter with a gradient
+// (apply), and each such parameter's step count advanced by one. Never on a skipped step.
+template <typename Consts, typename Make, typename Apply>
+void run_step(const StepArgs& a, double max_norm, int nthreads, Make make, Apply apply) {
+  float coef;
+  if (!prologue(a, max_norm, &coef)) return;
+  const float lr_f = float(read_scalar(a.lr, a.lr_code));
+  const std::vector<int64_t> rows = active_rows(a);
+  std::vector<StepTensor> ts;
+  std::vector<Consts> cs;
+  for (int64_t k : rows) {
+    ts.push_back(tensor_of(a, k));
+    cs.push_back(make(coef, lr_f, read_scalar(scalar_at(a.steps, a.step_code, k), a.step_code)));
+  }
+  apply(bufs_of(a), ts.data(), cs.data(), int64_t(ts.size()), nthreads);
   for (int64_t k : rows) add_one(scalar_at(a.steps, a.step_code, k), a.step_code);
 }
 
@@ -161,19 +175,9 @@ void adam_step(const std::vector<int64_t>& table, int64_t count, int param_dtype
   const StepArgs a = step_args(uintptr_t(table.data()), count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq,
                                steps, step_code, partials, num_partials, inv_scale, lr, lr_code, out_stats);
   py::gil_scoped_release nogil;
-  float coef;
-  if (!prologue(a, max_norm, &coef)) return;
-  const float lr_f = float(read_scalar(a.lr, a.lr_code));
-  const std::vector<int64_t> rows = active_rows(a);
-  std::vector<StepTensor> ts;
-  std::vector<AdamConsts> cs;
-  for (int64_t k : rows) {
-    ts.push_back(tensor_of(a, k));
-    const double t = next_step(read_scalar(scalar_at(a.steps, a.step_code, k), a.step_code));
-    cs.push_back(make_adam_consts(coef, lr_f, t, beta1, beta2, eps, weight_decay, decoupled, maximize));
-  }
-  isa().adam(bufs_of(a), ts.data(), cs.data(), int64_t(ts.size()), nthreads);
-  advance_steps(a, rows);
+  run_step<AdamConsts>(a, max_norm, nthreads, [&](float coef, float lr_f, double step) {
+    return make_adam_consts(coef, lr_f, next_step(step), beta1, beta2, eps, weight_decay, decoupled, maximize);
+  }, isa().adam);
 }
 
 void sgd_step(const std::vector<int64_t>& table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
@@ -185,19 +189,9 @@ void sgd_step(const std::vector<int64_t>& table, int64_t count, int param_dtype,
                                momentum != 0.0 ? momentum_buf : 0, 0, steps, step_code, partials, num_partials, inv_scale,
                                lr, lr_code, out_stats);
   py::gil_scoped_release nogil;
-  float coef;
-  if (!prologue(a, max_norm, &coef)) return;
-  const float lr_f = float(read_scalar(a.lr, a.lr_code));
-  const std::vector<int64_t> rows = active_rows(a);
-  std::vector<StepTensor> ts;
-  std::vector<SgdConsts> cs;
-  for (int64_t k : rows) {
-    ts.push_back(tensor_of(a, k));
-    const float step_f = float(read_scalar(scalar_at(a.steps, a.step_code, k), a.step_code));
-    cs.push_back(make_sgd_consts(coef, lr_f, step_f, momentum, dampening, weight_decay, nesterov, maximize));
-  }
-  isa().sgd(bufs_of(a), ts.data(), cs.data(), int64_t(ts.size()), nthreads);
-  advance_steps(a, rows);
+  run_step<SgdConsts>(a, max_norm, nthreads, [&](float coef, float lr_f, double step) {
+    return make_sgd_consts(coef, lr_f, float(step), momentum, dampening, weight_decay, nesterov, maximize);
+  }, isa().sgd);
 }
 
 void update_scale_op(uintptr_t scale, uintptr_t growth_tracker, uintptr_t found_inf, double growth_factor,
