@@ -1,12 +1,14 @@
 import os
 
-# The Triton backend runs on CPU tensors only under the interpreter, which must be chosen before triton
-# is imported anywhere.
-if not os.environ.get("AMPFUSED_TEST_NO_INTERPRET"):
+import torch  # importing torch does not import triton
+
+# Without a CUDA device the Triton kernels run on CPU tensors under the interpreter, which must be chosen
+# before triton is imported anywhere. With one they run compiled, on CUDA tensors; TRITON_INTERPRET=1 set by
+# hand still forces the interpreter, and AMPFUSED_TEST_NO_INTERPRET=1 keeps it off.
+if not os.environ.get("AMPFUSED_TEST_NO_INTERPRET") and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
