@@ -73,6 +73,11 @@ def _dense_views(params: List[Tensor]) -> Dict[torch.device, List[Tensor]]:
     return by_device
 
 
+def _identity(t: Tensor) -> tuple:
+    """What tells a tensor's values changed: its memory and its version counter (every write bumps it)."""
+    return t.data_ptr(), t._version
+
+
 def _on(t: Tensor, device: torch.device) -> Tensor:
     return t if t.device == device else t.to(device, non_blocking=True)
 
@@ -202,6 +207,12 @@ class GradScaler(torch.amp.GradScaler):
             pol._bound_to_scaler = True
         return pol
 
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_inv", None)  # formed again from the scale when needed
+        state.pop("_inv_of", None)
+        return state
+
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
         if "_counters" not in self.__dict__:  # pickled before the counters existed
@@ -221,6 +232,25 @@ class GradScaler(torch.amp.GradScaler):
         if self._enabled:
             check_outputs(outputs)
         return super().scale(outputs)
+
+    # --- 1 / scale --------------------------------------------------------------------------------------
+    def _inv_buffer(self, scale: Tensor) -> Tensor:
+        inv = self.__dict__.get("_inv")
+        if inv is None or inv.device != scale.device:
+            inv = self._inv = torch.empty((), dtype=torch.float32, device=scale.device)
+            self._inv_of = None
+        return inv
+
+    def _inv_scale(self) -> Tensor:
+        """``fp32(1 / fp64(scale))`` (torch's unscale factor) as a device tensor. The dynamic rule writes it in
+        the scale update's own kernel; it is formed here only when the scale changed some other way (a policy,
+        ``update(new_scale)``, ``load_state_dict``)."""
+        scale = self._scale
+        inv = self._inv_buffer(scale)
+        if self.__dict__.get("_inv_of") != _identity(scale):
+            inv.copy_(scale.double().reciprocal().float())
+            self._inv_of = _identity(scale)
+        return inv
 
     # --- unscale --------------------------------------------------------------------------------------
     def unscale_(self, optimizer: torch.optim.Optimizer, *, grad_divisor=None) -> None:
@@ -243,8 +273,7 @@ class GradScaler(torch.amp.GradScaler):
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         # the reciprocal is taken in fp64, as torch does, so 1/scale is the correctly rounded fp32 value
-        inv_scale = (self._scale.double().reciprocal().float() if self._scale.device != torch.device("mps:0")
-                     else self._scale.reciprocal())
+        inv_scale = self._inv_scale() if self._scale.device.type != "mps" else self._scale.reciprocal()
         if getattr(optimizer, "_ampfused_fused", False):
             found_inf = self._fused_unscale(optimizer, _on(inv_scale, _fused_device(optimizer, inv_scale.device)),
                                             divisor)
@@ -346,12 +375,16 @@ class GradScaler(torch.amp.GradScaler):
         unscaled = state["stage"] is OptState.UNSCALED
         # the scaler's own tensor when the devices agree (the usual case), else a copy on the optimizer's
         optimizer.grad_scale = None if unscaled else _on(self._scale, device)
+        # its reciprocal as well, already formed (no kernels for it in the optimizer's step)
+        optimizer._ampfused_inv_scale = None if unscaled or self._scale.device.type == "mps" else _on(
+            self._inv_scale(), device)
         optimizer.found_inf = self._combined_found_inf(state, device) if unscaled else None
         try:
             retval = optimizer.step(*args, **kwargs)
         finally:
             del optimizer.grad_scale
             del optimizer.found_inf
+            del optimizer._ampfused_inv_scale
         found_inf = optimizer.last_found_inf  # the optimizer's own check, made inside its first kernel
         state["found_inf_per_device"] = {found_inf.device: found_inf}
         state["stage"] = OptState.STEPPED
@@ -392,8 +425,17 @@ class GradScaler(torch.amp.GradScaler):
         policy = self.policy
         policy.configure(growth_factor=self._growth_factor, backoff_factor=self._backoff_factor,
                          growth_interval=self._growth_interval, backend=self._backend)
-        at_min = policy.apply_(scale, tracker, found_inf)
-        self._counters.get("skipped", scale.device).add_(found_inf > 0)
+        skipped = self._counters.get("skipped", scale.device)
+        if type(policy) is DynamicPolicy and policy.min_scale is None and policy.max_scale is None:
+            # torch's rule, the next unscale's 1/scale and the overflow count in one kernel
+            ops.update_scale_(scale, tracker, found_inf, self._growth_factor, self._backoff_factor,
+                              self._growth_interval, inv_scale=self._inv_buffer(scale), skipped=skipped,
+                              backend=self._backend)
+            self._inv_of = _identity(scale)
+            at_min = None
+        else:
+            at_min = policy.apply_(scale, tracker, found_inf)
+            skipped.add_(found_inf > 0)
         if at_min is not None:
             self._counters.get("at_min", scale.device).add_(at_min)
         self._updates += 1

@@ -64,8 +64,9 @@ def _mul_f64_rn(s, f32, exact, f_hi, f_lo, f_exp, f_neg):
 
 # integers equal to 1 would otherwise become compile-time constants (one more compiled variant each)
 @triton.jit(do_not_specialize=["growth_interval", "g_exact", "g_neg", "b_exact", "b_neg"])
-def _update_scale_kernel(scale_ptr, tracker_ptr, found_inf_ptr, growth_interval,
-                         g32, g_exact, g_hi, g_lo, g_exp, g_neg, b32, b_exact, b_hi, b_lo, b_exp, b_neg):
+def _update_scale_kernel(scale_ptr, tracker_ptr, found_inf_ptr, inv_scale_ptr, skipped_ptr, growth_interval,
+                         g32, g_exact, g_hi, g_lo, g_exp, g_neg, b32, b_exact, b_hi, b_lo, b_exp, b_neg,
+                         HAS_INV: tl.constexpr, HAS_SKIPPED: tl.constexpr):
     scale = tl.load(scale_ptr)
     tracker = tl.load(tracker_ptr)
     overflow = tl.load(found_inf_ptr) > 0.0
@@ -77,6 +78,12 @@ def _update_scale_kernel(scale_ptr, tracker_ptr, found_inf_ptr, growth_interval,
     new_scale = tl.where(overflow, backed_off, tl.where(grown_ok, grown, scale))
     tl.store(scale_ptr, new_scale)
     tl.store(tracker_ptr, tl.where(overflow | grow, 0, successful))
+    if HAS_INV:
+        # fp32(1 / fp64(scale)), torch's form: the fp64 quotient of two fp32 numbers rounds to the correctly
+        # rounded fp32 quotient (53 >= 2 * 24 + 2 bits), which div_rn gives without fp64
+        tl.store(inv_scale_ptr, tl.div_rn(1.0, new_scale))
+    if HAS_SKIPPED:
+        tl.store(skipped_ptr, tl.load(skipped_ptr) + overflow.to(tl.int64))
 
 
 def split_factor(f: float) -> tuple:
@@ -94,7 +101,7 @@ def split_factor(f: float) -> tuple:
 
 
 def update_scale_(scale, growth_tracker, found_inf, growth_factor: float, backoff_factor: float,
-                  growth_interval: int) -> None:
+                  growth_interval: int, inv_scale=None, skipped=None) -> None:
     """torch's dynamic loss-scale rule in place, bit for bit with ``torch._amp_update_scale_``.
 
     scale: 0-d fp32; growth_tracker: 0-d int32; found_inf: 0-d fp32 (> 0 means overflow)::
@@ -102,8 +109,12 @@ def update_scale_(scale, growth_tracker, found_inf, growth_factor: float, backof
         overflow:  scale = fp32(fp64(scale) * backoff_factor);  tracker = 0
         else:      tracker += 1; if tracker == growth_interval:
                        scale = fp32(fp64(scale) * growth_factor) if that is finite;  tracker = 0
+        inv_scale = fp32(1 / fp64(scale))  (when given: 0-d fp32);  skipped += overflow  (when given: 0-d int64)
     """
     with device_guard(scale):
-        _update_scale_kernel[(1,)](scale, growth_tracker, found_inf, int(growth_interval),
-                                   *split_factor(growth_factor), *split_factor(backoff_factor), num_warps=1,
+        _update_scale_kernel[(1,)](scale, growth_tracker, found_inf,
+                                   inv_scale if inv_scale is not None else scale,
+                                   skipped if skipped is not None else growth_tracker, int(growth_interval),
+                                   *split_factor(growth_factor), *split_factor(backoff_factor),
+                                   HAS_INV=inv_scale is not None, HAS_SKIPPED=skipped is not None, num_warps=1,
                                    **LAUNCH_OPTIONS)

@@ -50,7 +50,7 @@ def _pick(device: torch.device, dtypes: tuple, backend: Optional[str]) -> str:
 
 
 # positions of the arguments each op writes (as declared in library.py's mutates_args)
-_MUTATED = {"norm_check": (), "unscale_": (0,), "update_scale_": (0, 1), "adam_step_": (0, 2, 3, 4, 5, 9),
+_MUTATED = {"norm_check": (), "unscale_": (0,), "update_scale_": (0, 1, 6, 7), "adam_step_": (0, 2, 3, 4, 5, 9),
             "sgd_step_": (0, 2, 3, 4, 8)}  # adam: params, master, exp_avg, exp_avg_sq, steps, out_stats
 
 
@@ -103,15 +103,21 @@ def unscale_(grads: List[Tensor], inv_scale: Tensor, *, backend: Optional[str] =
 
 
 def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
-                  backoff_factor: float, growth_interval: int, *, backend: Optional[str] = None) -> None:
+                  backoff_factor: float, growth_interval: int, *, inv_scale: Optional[Tensor] = None,
+                  skipped: Optional[Tensor] = None, backend: Optional[str] = None) -> None:
     """torch's dynamic loss-scale update on device tensors (scale 0-d fp32, tracker 0-d int32, found_inf
-    0-d fp32), bit for bit, without a host read."""
+    0-d fp32), bit for bit, without a host read. In the same launch, optionally: ``inv_scale`` (0-d fp32)
+    receives ``fp32(1 / fp64(new scale))`` for the next unscale, ``skipped`` (0-d int64) counts overflows."""
     checks.tensor("scale", scale, dtypes=(torch.float32,), scalar=True)
     checks.tensor("growth_tracker", growth_tracker, dtypes=(torch.int32,), scalar=True, device=scale.device)
     checks.tensor("found_inf", found_inf, dtypes=(torch.float32,), scalar=True, device=scale.device)
+    if inv_scale is not None:
+        checks.tensor("inv_scale", inv_scale, dtypes=(torch.float32,), scalar=True, device=scale.device)
+    if skipped is not None:
+        checks.tensor("skipped", skipped, dtypes=(torch.int64,), scalar=True, device=scale.device)
     checks.scalars(growth_factor=growth_factor, backoff_factor=backoff_factor)
     _call("update_scale_", scale, scale, growth_tracker, found_inf, float(growth_factor),
-          float(backoff_factor), int(growth_interval), _pick(scale.device, (), backend))
+          float(backoff_factor), int(growth_interval), inv_scale, skipped, _pick(scale.device, (), backend))
 
 
 def _as_lists(params, grads, steps):

@@ -78,17 +78,23 @@ class CpuBackend(Backend):
         return self._k1(grads, inv_scale, True)
 
     def update_scale_(self, scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
-                      backoff_factor: float, growth_interval: int) -> None:
+                      backoff_factor: float, growth_interval: int, inv_scale: Optional[Tensor] = None,
+                      skipped: Optional[Tensor] = None) -> None:
         dev = scale.device
         _N.check_scalar("scale", scale, (torch.float32,), dev, self.name)
         _N.check_scalar("growth_tracker", growth_tracker, (torch.int32,), dev, self.name)
         _N.check_scalar("found_inf", found_inf, (torch.float32,), dev, self.name)
-        self._update_scale(scale, growth_tracker, found_inf, float(growth_factor), float(backoff_factor),
-                           int(growth_interval))
-
-    def _update_scale(self, scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval):
+        if inv_scale is not None:
+            _N.check_scalar("inv_scale", inv_scale, (torch.float32,), dev, self.name)
+        if skipped is not None:
+            _N.check_scalar("skipped", skipped, (torch.int64,), dev, self.name)
         self._mod().update_scale(scale.data_ptr(), growth_tracker.data_ptr(), found_inf.data_ptr(),
-                                 growth_factor, backoff_factor, growth_interval)
+                                 float(growth_factor), float(backoff_factor), int(growth_interval),
+                                 _N.ptr(inv_scale), _N.ptr(skipped), *self._scalar_device_args(dev))
+
+    def _scalar_device_args(self, device: torch.device) -> tuple:
+        """Trailing arguments of the scale update: none here, device and stream for CUDA."""
+        return ()
 
     # ---- the step ------------------------------------------------------------------------------------
     def _step_head(self, params, grads, master, states, steps, partials, inv_scale, lr, out_stats):

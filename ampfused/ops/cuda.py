@@ -142,9 +142,8 @@ class CudaBackend(CpuBackend):
             _prepared.add(index)
         return (index, torch.cuda.current_stream(device).cuda_stream)
 
-    def _update_scale(self, scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval):
-        self._mod().update_scale(scale.data_ptr(), growth_tracker.data_ptr(), found_inf.data_ptr(), growth_factor,
-                                 backoff_factor, growth_interval, *self._device_args(scale.device))
+    def _scalar_device_args(self, device: torch.device) -> tuple:
+        return self._device_args(device)
 
     # ---- the step ------------------------------------------------------------------------------------
     def _work(self, rows: List[int], codes, steps: Tensor, check) -> _Work:

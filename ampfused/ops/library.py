@@ -33,15 +33,17 @@ def _(grads, inv_scale, backend):
     return inv_scale.new_empty(2, get_backend(backend).num_partials([g.numel() for g in grads]))
 
 
-@torch.library.custom_op("ampfused::update_scale_", mutates_args=("scale", "growth_tracker"))
+@torch.library.custom_op("ampfused::update_scale_",
+                         mutates_args=("scale", "growth_tracker", "inv_scale", "skipped"))
 def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
-                  backoff_factor: float, growth_interval: int, backend: str) -> None:
+                  backoff_factor: float, growth_interval: int, inv_scale: Optional[Tensor],
+                  skipped: Optional[Tensor], backend: str) -> None:
     get_backend(backend).update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor,
-                                       growth_interval)
+                                       growth_interval, inv_scale, skipped)
 
 
 @update_scale_.register_fake
-def _(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval, backend):
+def _(*args):
     return None
 
 

@@ -102,13 +102,17 @@ def clip_coef(norm: Tensor, max_norm: float) -> Tensor:
 
 
 def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
-                  backoff_factor: float, growth_interval: int) -> None:
+                  backoff_factor: float, growth_interval: int, inv_scale: Optional[Tensor] = None,
+                  skipped: Optional[Tensor] = None) -> None:
     """torch's dynamic loss-scale rule, bit for bit (``torch._amp_update_scale_``), without a host read.
 
     scale: 0-d fp32; growth_tracker: 0-d int32; found_inf: 0-d fp32 (> 0 means overflow). In place:
     on overflow ``scale *= backoff_factor`` and the tracker resets; otherwise the tracker counts up and, when
     it reaches ``growth_interval``, ``scale *= growth_factor`` (only while the result stays finite) and the
     tracker resets. Products are formed in fp64 and rounded once to fp32, as torch's kernels do.
+
+    Optional bookkeeping in the same op (so a scaler's iteration needs no other kernel): ``inv_scale``
+    (0-d fp32) receives ``fp32(1 / fp64(new scale))``, and ``skipped`` (0-d int64) counts the overflows.
     """
     overflow = found_inf > 0
     successful = growth_tracker + 1
@@ -120,6 +124,10 @@ def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, grow
     new_tracker = torch.where(overflow | grow, torch.zeros_like(successful), successful)
     scale.copy_(new_scale)
     growth_tracker.copy_(new_tracker)
+    if inv_scale is not None:  # what the next unscale multiplies by, as torch forms it: fp32(1 / fp64(scale))
+        inv_scale.copy_(scale.double().reciprocal().float())
+    if skipped is not None:  # a count of the updates whose iteration overflowed
+        skipped.add_(overflow.to(skipped.dtype))
 
 
 def bias_correction(beta: float, step: Tensor) -> Tensor:

@@ -173,9 +173,10 @@ class TritonBackend(Backend):
         return self._k1(list(grads), inv_scale, True)
 
     def update_scale_(self, scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
-                      backoff_factor: float, growth_interval: int) -> None:
+                      backoff_factor: float, growth_interval: int, inv_scale: Optional[Tensor] = None,
+                      skipped: Optional[Tensor] = None) -> None:
         _kernels("update_scale").update_scale_(scale, growth_tracker, found_inf, growth_factor,
-                                               backoff_factor, growth_interval)
+                                               backoff_factor, growth_interval, inv_scale, skipped)
 
     def adam_step_(self, params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
                    beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize=False) -> None:

@@ -474,13 +474,15 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _partials_and_inv_scale(self, batch: _Batch, grad_divisor=None):
         """Partials of the step's gradients and the coefficient that unscales them, all on the device."""
         grad_scale = _on(getattr(self, "grad_scale", None), self._device)
+        given_inv = _on(getattr(self, "_ampfused_inv_scale", None), self._device)  # ampfused.GradScaler's 1/scale
         found_inf = _on(getattr(self, "found_inf", None), self._device)
         cache, self._partials_cache = self._partials_cache, None
         if cache is not None and grad_scale is None and self._same_grads(cache[0], batch):
             partials, inv_scale = cache[1], self._one  # gradients were unscaled (and measured) already
         else:
             if grad_scale is not None:
-                inv_scale = grad_scale.double().reciprocal().float()  # as torch's unscale_ forms it
+                # as torch's unscale_ forms it; ampfused.GradScaler hands it over already formed
+                inv_scale = given_inv if given_inv is not None else grad_scale.double().reciprocal().float()
             else:
                 inv_scale = self._one
             inv_scale = self._divide(inv_scale, grad_divisor)

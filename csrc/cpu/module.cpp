@@ -195,9 +195,11 @@ void sgd_step(const std::vector<int64_t>& table, int64_t count, int param_dtype,
 }
 
 void update_scale_op(uintptr_t scale, uintptr_t growth_tracker, uintptr_t found_inf, double growth_factor,
-                     double backoff_factor, int64_t growth_interval) {
-  update_scale(addr<float>(scale), addr<int32_t>(growth_tracker), *addr<const float>(found_inf), growth_factor,
+                     double backoff_factor, int64_t growth_interval, uintptr_t inv_scale, uintptr_t skipped) {
+  const float found = *addr<const float>(found_inf);
+  update_scale(addr<float>(scale), addr<int32_t>(growth_tracker), found, growth_factor,
                backoff_factor, growth_interval);
+  finish_scale_update(addr<const float>(scale), found, addr<float>(inv_scale), addr<int64_t>(skipped));
 }
 
 py::dict build_info() {

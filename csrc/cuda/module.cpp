@@ -100,9 +100,11 @@ void sgd_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, u
 }
 
 void update_scale_op(uintptr_t scale, uintptr_t growth_tracker, uintptr_t found_inf, double growth_factor,
-                  double backoff_factor, int64_t growth_interval, int device, uintptr_t stream) {
+                  double backoff_factor, int64_t growth_interval, uintptr_t inv_scale, uintptr_t skipped, int device,
+                  uintptr_t stream) {
   check(cuda::update_scale(device, stream, addr<float>(scale), addr<int32_t>(growth_tracker),
-                           addr<const float>(found_inf), growth_factor, backoff_factor, growth_interval));
+                           addr<const float>(found_inf), growth_factor, backoff_factor, growth_interval,
+                           addr<float>(inv_scale), addr<int64_t>(skipped)));
 }
 
 py::dict build_info() {

@@ -45,8 +45,11 @@ __global__ void __launch_bounds__(kThreads) k1_kernel(const K1Batch b, const flo
 }
 
 __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker, const float* found_inf,
-                                    double growth_factor, double backoff_factor, int64_t growth_interval) {
-  ::ampfused::update_scale(scale, growth_tracker, *found_inf, growth_factor, backoff_factor, growth_interval);
+                                    double growth_factor, double backoff_factor, int64_t growth_interval,
+                                    float* inv_scale, int64_t* skipped) {
+  const float found = *found_inf;
+  ::ampfused::update_scale(scale, growth_tracker, found, growth_factor, backoff_factor, growth_interval);
+  ::ampfused::finish_scale_update(scale, found, inv_scale, skipped);
 }
 
 }  // namespace
@@ -144,12 +147,13 @@ std::string norm_check(int device, uintptr_t stream, const Tensor1* tensors, int
 }
 
 std::string update_scale(int device, uintptr_t stream, float* scale, int32_t* growth_tracker, const float* found_inf,
-                         double growth_factor, double backoff_factor, int64_t growth_interval) {
+                         double growth_factor, double backoff_factor, int64_t growth_interval, float* inv_scale,
+                         int64_t* skipped) {
   std::string err = use_device(device);
   if (!err.empty()) return err;
   update_scale_kernel<<<1, 1, 0, reinterpret_cast<cudaStream_t>(stream)>>>(scale, growth_tracker, found_inf,
                                                                          growth_factor, backoff_factor,
-                                                                         growth_interval);
+                                                                         growth_interval, inv_scale, skipped);
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? std::string() : cuda_error("update_scale launch", e);
 }

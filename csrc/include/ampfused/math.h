@@ -233,6 +233,13 @@ AF_HD void update_scale(float* scale, int32_t* growth_tracker, float found_inf, 
   }
 }
 
+// The scale update's bookkeeping (reference.update_scale_): inv_scale = fp32(1 / fp64(scale)), the next
+// unscale's factor as torch forms it; skipped counts the overflows. Either pointer may be null.
+AF_HD void finish_scale_update(const float* scale, float found_inf, float* inv_scale, int64_t* skipped) {
+  if (inv_scale) *inv_scale = float(1.0 / double(*scale));
+  if (skipped && found_inf > 0.0f) *skipped += 1;
+}
+
 // Reads a 0-d step/lr scalar stored as fp32 (code 0) or fp64 (code 3).
 AF_HD double read_scalar(const void* p, int code) {
   return code == 3 ? *static_cast<const double*>(p) : double(*static_cast<const float*>(p));
