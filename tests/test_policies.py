@@ -566,3 +566,22 @@ def test_gpu_step_and_update_never_sync(policy):
     if policy != "static":  # the scale reached min_scale and overflowed there: the next host read says so
         with pytest.raises(MinScaleError):
             s.get_scale()
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_scale_update_forms_the_next_reciprocal_and_counts_overflows(backend):
+    """The bookkeeping outputs of update_scale_ on every backend: bitwise the reference's ``fp32(1 / fp64(s))``,
+    for ordinary, subnormal-reciprocal, huge, zero and infinite scales, and the overflow count."""
+    scales = [65536.0, 3.0, 1e-38, 3e38, 2.0 ** 127, 7.0e-39, 0.0, math.inf, 1.2345678e10]
+    for found in (0.0, 1.0):
+        for s0 in scales:
+            out = {}
+            for b in ("reference", backend):
+                s, t = torch.tensor(s0), torch.zeros((), dtype=torch.int32)
+                inv, skipped = torch.full((), -1.0), torch.tensor(5, dtype=torch.int64)
+                ampfused.ops.update_scale_(s, t, torch.tensor(found), 2.0, 0.5, 1000, inv_scale=inv, skipped=skipped,
+                                           backend=b)
+                out[b] = (s, t, inv, skipped)
+            for name, x, y in zip(("scale", "tracker", "inv_scale", "skipped"), out[backend], out["reference"]):
+                assert_bitwise(f"{name} from scale {s0}, found_inf {found}", x, y)
+            assert out[backend][3].item() == 5 + int(found)
