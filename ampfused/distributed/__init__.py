@@ -1,0 +1,4 @@
+"""ampfused on torch.distributed: DDP helpers and the ZeRO-1 sharded fused optimizers."""
+from ._comm import global_sum, sum_hook
+
+__all__ = ["global_sum", "sum_hook"]
