@@ -47,10 +47,10 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults: dict, *, process_group=None, grad_reduction: Optional[str] = "mean",
                  max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
                  backend: Optional[str] = None, spike_guard: Optional[SpikeGuard] = None):
-        group, rank, world = C.check_group(process_group, type(self).__name__)
         if grad_reduction not in _REDUCTIONS:
             raise ValueError(f"grad_reduction must be 'mean', 'sum' or None (gradients already reduced, e.g. by "
                              f"DDP), got {grad_reduction!r}")
+        group, rank, world = C.check_group(process_group, type(self).__name__)
         if spike_guard is not None and not isinstance(spike_guard, SpikeGuard):
             raise TypeError(f"spike_guard must be an ampfused.SpikeGuard, got {type(spike_guard).__name__}")
         if master_weights not in (None, True, False):
