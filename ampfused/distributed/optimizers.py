@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 from .. import ops
 from ..optim import _params as P
 from ..optim.adam import _check_unsupported

@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ampfused
 import dist_data as D

@@ -204,3 +204,34 @@ def _errors_worker(rank, world, out):
 def test_sharded_errors_fire_before_anything_changes(tmp_path):
     run_ranks(_errors_worker, 2, str(tmp_path))
     assert load(tmp_path, 2) == [True, True]
+
+
+# --- values written into the model are followed -------------------------------------------------------------
+def _write_loop(model, opt, x, c, rows):
+    for s in range(x.shape[0]):
+        if s == 2:  # a checkpoint loaded into the model between steps
+            with torch.no_grad():
+                model.weight.copy_(torch.linspace(-1, 1, model.weight.numel()).reshape(model.weight.shape))
+        ((model(x[s, rows]) * c[s, rows]).sum() / x[s, rows].shape[0]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _write_worker(rank, world, out, init):
+    model = D.linear_model()
+    model.load_state_dict(init)
+    opt = ampfused.ShardedFusedAdamW(model.parameters(), **ADAM)
+    x, c = D.batches(4, world * ROWS)
+    _write_loop(model, opt, x, c, slice(rank * ROWS, (rank + 1) * ROWS))
+    save(out, rank, _result(model, opt))
+
+
+def test_sharded_follows_values_written_into_the_model(tmp_path):
+    world = 2
+    run_ranks(_write_worker, world, str(tmp_path), D.linear_model().state_dict())
+    model = D.linear_model()
+    opt = ampfused.FusedAdamW(model.parameters(), **ADAM)
+    x, c = D.batches(4, world * ROWS)
+    _write_loop(model, opt, x, c, slice(None))
+    for r, got in enumerate(load(tmp_path, world)):
+        _assert_same(got, _result(model, opt), f"rank {r}")
