@@ -11,4 +11,15 @@ from . import cuda  # noqa: F401  (ampfused.cuda.amp.GradScaler, the torch.cuda.
 
 __all__ = ["ops", "__version__", "SpikeGuard", "FusedAdam", "FusedAdamW", "FusedSGD",
            "GradScaler", "clip_grad_norm_", "cuda",
-           "ScalePolicy", "register_scale_policy", "MinScaleError"]
+           "ScalePolicy", "register_scale_policy", "MinScaleError",
+           "ShardedFusedAdam", "ShardedFusedAdamW", "ShardedFusedSGD"]
+
+_DISTRIBUTED = ("ShardedFusedAdam", "ShardedFusedAdamW", "ShardedFusedSGD")
+
+
+def __getattr__(name):
+    # imported on first use: ampfused.distributed needs torch.distributed, which some builds of torch lack
+    if name in _DISTRIBUTED:
+        from . import distributed
+        return getattr(distributed, name)
+    raise AttributeError(f"module 'ampfused' has no attribute {name!r}")

@@ -1,0 +1,64 @@
+"""Running a function on several gloo processes on this machine, with a deadline.
+
+``run_ranks(fn, world, *args)`` spawns ``world`` processes that join one gloo process group on a free port of
+127.0.0.1 and call ``fn(rank, world, *args)``. An exception in any rank fails the call with that rank's
+traceback; a run still going at the deadline is killed and fails (a hang must not block the suite).
+Workers hand results back by saving them under a directory the test gives them (``save`` / ``load``).
+"""
+import os
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world, port, args):
+    torch.set_num_threads(1)  # several ranks share this machine's cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=TIMEOUT_S))
+    try:
+        torch.manual_seed(0)
+        fn(rank, world, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "ampfused", "ampfused.distributed"]
+
+
+def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT_S) -> None:
+    # A fork server imports torch and ampfused once per session and forks every rank from that clean process
+    # (no threads started yet): a rank starts in milliseconds instead of importing torch again.
+    mp.set_forkserver_preload(_PRELOAD + [fn.__module__])
+    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, join=False,
+                             start_method="forkserver")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish within {timeout} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def save(out_dir, rank: int, obj) -> None:
+    torch.save(obj, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def load(out_dir, world: int) -> list:
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
