@@ -42,11 +42,15 @@ class Shadow:
     def overflow(self) -> bool:
         return not all(g is None or bool(torch.isfinite(g).all()) for g in self.grads)
 
-    def step_and_check(self, opt, norm=None, where="") -> bool:
-        """One recipe step on the captured gradients (none when they overflow); checks the fused optimizer
-        against it. Returns whether the step was skipped."""
+    def step_and_check(self, opt, norm=None, where="", lr=None) -> bool:
+        """One recipe step on the captured gradients (none when they overflow), at learning rate ``lr`` when
+        given (a scheduler's); checks the fused optimizer against it. Returns whether the step was skipped."""
         assert self.grads is not None, "capture() first"
         skipped = self.overflow
+        if lr is not None:
+            for r in (self.r32, self.r64):
+                for g in r.opt.param_groups:
+                    g["lr"] = lr
         if skipped:
             self.skips += 1
         else:
@@ -68,7 +72,8 @@ class Shadow:
 def assert_losses_match(ours, torch_run, yardstick, what: str) -> None:
     """Per-step losses of two real training runs, whose weights differ by rounding and so drift apart (chaos),
     not bitwise. The bound: the larger of twice the spread between two torch.optim.AdamW runs that differ only in
-    summation order (``yardstick``: the same script with ``fused=True``), and one bf16 ulp (relative) of the loss,
+    summation order (``yardstick``: the same script with ``fused=True``, or with the single-tensor loop where the
+    framework will not clip for torch's fused AdamW), and one bf16 ulp (relative) of the loss,
     since the forward runs in low precision and weights equal to fp32 rounding can round an activation apart."""
     ours, ref, alt = (torch.tensor(x, dtype=torch.float64) for x in (ours, torch_run, yardstick))
     assert len(ours) == len(ref) == len(alt) and len(ours) >= 50, (len(ours), len(ref), len(alt))

@@ -139,12 +139,14 @@ def test_bf16_mixed_matches_the_same_script_with_torch_adamw():
     assert_losses_match(ours.losses, ref.losses, alt.losses, "lightning bf16-mixed")
 
 
+@pytest.mark.parametrize("scaler", ["ampfused", "torch"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_16_mixed_with_ampfused_scaler_matches_torch_and_the_recipe(device):
-    """16-mixed through the plugin with an ampfused.GradScaler: the recipe step by step (gradients unscaled by
-    the scaler's scale), skips and scale back-offs on the inf steps, and the losses of the same script with
-    torch.optim.AdamW and torch.amp.GradScaler in Lightning's own MixedPrecision."""
-    ours = _fit(Model(inject=INF_AT, shadow=True), _trainer(device, plugins=[_fp16(device)]))
+def test_16_mixed_matches_torch_and_the_recipe(device, scaler):
+    """16-mixed through the plugin, with an ampfused.GradScaler or with torch's (Lightning's own default): the
+    recipe step by step (gradients unscaled by the scaler's scale), skips and scale back-offs on the inf steps,
+    and the losses of the same script with torch.optim.AdamW and torch.amp.GradScaler in Lightning's own
+    MixedPrecision."""
+    ours = _fit(Model(inject=INF_AT, shadow=True), _trainer(device, plugins=[_fp16(device, scaler)]))
     assert ours.skipped == [k in INF_AT for k in range(STEPS)]
     ref_plugin = MixedPrecision("16-mixed", device, scaler=torch.amp.GradScaler(device, init_scale=2.0 ** 12))
     ref = _fit(Model("torch", inject=INF_AT), _trainer(device, plugins=[ref_plugin]))
@@ -268,3 +270,32 @@ def test_plugin_arguments():
         FusedMixedPrecision("32-true")
     with pytest.raises(TypeError, match="device must be a device type string"):
         FusedMixedPrecision("bf16-mixed", torch.device("cpu"))
+
+
+def test_pytorch_lightning_package_takes_its_own_plugin():
+    """pytorch_lightning (the standalone package) checks plugins against its own classes: its Trainer takes the
+    plugin from ampfused.integrations.pytorch_lightning, and trains with the clip folded."""
+    pl = pytest.importorskip("pytorch_lightning", reason="pytorch_lightning is not installed")
+    from ampfused.integrations.pytorch_lightning import FusedMixedPrecision as PLFused
+
+    class PLModel(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+            self.losses = []
+
+        def training_step(self, batch, batch_idx):
+            loss = nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return ampfused.FusedAdamW(self.parameters(), **HYPER)
+
+    model = PLModel()
+    trainer = pl.Trainer(max_steps=STEPS, gradient_clip_val=1.0, accumulate_grad_batches=GA, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         accelerator="cpu", devices=1, plugins=[PLFused("bf16-mixed", "cpu")])
+    trainer.fit(model, _loader())
+    assert isinstance(trainer.precision_plugin, PLFused) and trainer.global_step == STEPS
+    assert_trains(model.losses[::GA], "pytorch_lightning bf16-mixed")
