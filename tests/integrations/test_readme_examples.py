@@ -6,6 +6,9 @@ import importlib.util
 import math
 import os
 import re
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -64,3 +67,28 @@ def test_example_runs_and_trains(index, tmp_path, monkeypatch):
 
 def _loss(logits, y) -> float:
     return torch.nn.functional.cross_entropy(logits.float(), y).item()
+
+
+def test_import_ampfused_needs_no_framework():
+    """``import ampfused`` (and ``ampfused.integrations``) works with every framework package unimportable."""
+    code = textwrap.dedent("""
+        import sys
+
+        class Blocked:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("accelerate", "lightning", "pytorch_lightning", "transformers"):
+                    raise ImportError(f"{name} blocked")
+                return None
+
+        sys.meta_path.insert(0, Blocked())
+        import ampfused, ampfused.integrations
+        try:
+            import ampfused.integrations.lightning
+        except ImportError as e:
+            assert "pip install 'ampfused[integrations]'" in str(e), e
+        else:
+            raise AssertionError("the Lightning integration imported without lightning")
+        print("ok")
+        """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
