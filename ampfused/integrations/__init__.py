@@ -5,7 +5,8 @@
   report the fused optimizer's own skip, and drives the step with :class:`ampfused.GradScaler` under fp16.
 * :mod:`ampfused.integrations.lightning`: ``FusedMixedPrecision``, a Lightning ``MixedPrecision`` plugin that
   folds ``gradient_clip_val`` into the fused step (Lightning's own plugin refuses to clip for optimizers that
-  unscale their gradients themselves).
+  unscale their gradients themselves); :mod:`ampfused.integrations.pytorch_lightning` has the same plugin for a
+  ``pytorch_lightning.Trainer``.
 * :mod:`ampfused.integrations.transformers`: ``fuse(trainer)`` after ``Trainer(...)``: the same as accelerate's
   ``fuse`` on the ``Accelerator`` the ``Trainer`` created.
 
@@ -15,5 +16,3 @@ allocated (see the README, "Use with training frameworks").
 
 ``import ampfused`` imports none of these modules, and none of them imports its framework before it is used.
 """
-
-__all__ = ["accelerate", "lightning", "transformers"]

@@ -16,8 +16,9 @@ from recipe import TorchRecipe, masters_of
 HAS_CUDA = torch.cuda.is_available()
 # CPU always; CUDA variants are marked gpu (skipped without a device, see tests/conftest.py)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-# one bf16 unit in the last place, relative: the resolution of a loss computed from bf16 activations
+# one unit in the last place, relative: the resolution of a loss computed from bf16 / fp16 activations
 BF16_ULP = 2.0 ** -8
+FP16_ULP = 2.0 ** -11
 
 
 class Shadow:
@@ -69,17 +70,18 @@ class Shadow:
         return skipped
 
 
-def assert_losses_match(ours, torch_run, yardstick, what: str) -> None:
+def assert_losses_match(ours, torch_run, yardstick, what: str, ulp: float = BF16_ULP) -> None:
     """Per-step losses of two real training runs, whose weights differ by rounding and so drift apart (chaos),
     not bitwise. The bound: the larger of twice the spread between two torch.optim.AdamW runs that differ only in
     summation order (``yardstick``: the same script with ``fused=True``, or with the single-tensor loop where the
-    framework will not clip for torch's fused AdamW), and one bf16 ulp (relative) of the loss,
-    since the forward runs in low precision and weights equal to fp32 rounding can round an activation apart."""
+    framework will not clip for torch's fused AdamW), and one ulp (relative, ``ulp``: bf16's by default, fp16's
+    for fp16 runs) of the loss, since the forward runs in low precision and weights equal to fp32 rounding can
+    round an activation apart."""
     ours, ref, alt = (torch.tensor(x, dtype=torch.float64) for x in (ours, torch_run, yardstick))
     assert len(ours) == len(ref) == len(alt) and len(ours) >= 50, (len(ours), len(ref), len(alt))
     assert torch.isfinite(ours).all() and torch.isfinite(ref).all()
     spread = ((alt - ref).abs() / ref.abs()).max().item()
-    bound = max(2 * spread, BF16_ULP)
+    bound = max(2 * spread, ulp)
     rel = (ours - ref).abs() / ref.abs()
     worst = int(rel.argmax())
     assert rel.max().item() <= bound, (f"{what}: step {worst} loss {ours[worst].item()!r} vs torch "

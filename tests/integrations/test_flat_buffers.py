@@ -8,6 +8,7 @@ kernels, no host read; on CUDA no host sync). Needs no framework package.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -16,8 +17,6 @@ from oracle import assert_bitwise
 from recipe import TorchRecipe
 from shadow import DEVICES, Shadow, assert_losses_match, assert_trains, classification_data, kernel_calls
 from stepcount import StepCounter, host_reads
-
-import pytest
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 STEPS, BATCH = 60, 32
