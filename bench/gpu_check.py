@@ -238,7 +238,9 @@ def run_limited(cmd: Sequence[str], env: Dict[str, str], cwd: str, limit: float,
             return 127, time.monotonic() - t0, False
         soft = max(limit - INTERRUPT_GRACE, limit * 0.8)
         try:
-            return proc.wait(timeout=soft), time.monotonic() - t0, False
+            code = proc.wait(timeout=soft)
+            _signal_group(proc, signal.SIGKILL)  # anything it left behind (workers), before the next stage
+            return code, time.monotonic() - t0, False
         except subprocess.TimeoutExpired:
             pass
         _signal_group(proc, signal.SIGINT)
