@@ -1,0 +1,706 @@
+"""``python -m bench.gpu_check OUT_DIR``: validate ampfused on a GPU machine in one command.
+
+Builds the CUDA extension from this checkout with the installed torch and triton (no network), prints
+``python -m ampfused.info``, runs the test suite (the GPU-marked tests first), ``compute-sanitizer``
+(memcheck, racecheck, synccheck, initcheck) over a short workload of every op, the sync-debug check, the CUDA
+graph capture check, the launch and host-time counts, the buffer of more than 2**31 elements and the
+benchmark. Each stage runs in its own process group with its own time limit, and the run goes on past a
+stage that fails or times out. Without a CUDA device every GPU stage is reported as skipped, with the reason.
+
+What it writes to OUT_DIR (and nothing else there; at most 6 files, so a machine that returns at most 8
+files returns all of them):
+
+  summary.md      one row per stage: PASS / FAIL / SKIP / TIMEOUT, exit status, wall time, limit, the
+                  reason or what was found; the launch and host-time table; the benchmark's table
+  summary.json    the same, machine-readable, with each probe's checks and measurements
+  gpu_check.log   every stage's command and its whole output (stdout and stderr), one section per stage
+  bench.csv, bench.txt, bench.png   the benchmark's results (only when the benchmark ran)
+
+The summary and the log are rewritten after every stage, so a run cut short still leaves what it did.
+Exit status: 0 when no stage failed or timed out (skips allowed), 1 otherwise, 2 on a usage error.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUMMARY_MD, SUMMARY_JSON, LOG = "summary.md", "summary.json", "gpu_check.log"
+BENCH_STEM = "bench"
+OUTPUT_FILES = (SUMMARY_MD, SUMMARY_JSON, LOG, f"{BENCH_STEM}.csv", f"{BENCH_STEM}.txt", f"{BENCH_STEM}.png")
+PASS, FAIL, SKIP, TIMEOUT, PENDING = "PASS", "FAIL", "SKIP", "TIMEOUT", "PENDING"
+DEFAULT_BUDGET = 540.0  # seconds: the whole run, inside one 10-minute command with room to spare
+DEFAULT_WORKLOADS = "1Mx200,16Mx32,gpt2-small"
+SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+LOG_SECTION_LIMIT = 1 << 20  # bytes of one stage's output kept in the combined log (head and tail)
+INTERRUPT_GRACE = 8.0  # seconds before its limit a stage is interrupted (SIGINT) to print what it has
+PROBE_SKIP_EXIT = 3
+
+
+@dataclass
+class Stage:
+    """One stage of the run; ``gpu`` stages need a CUDA device (reported SKIP without one)."""
+    name: str
+    title: str
+    limit: float
+    gpu: bool
+    groups: Tuple[str, ...] = ()
+
+
+STAGES: List[Stage] = [
+    Stage("env", "versions, the device, its free memory", 15, False),
+    Stage("build", "pip install --no-build-isolation --no-deps -e . (both native modules)", 90, False),
+    Stage("info", "python -m ampfused.info", 15, False),
+    Stage("suite-gpu", "pytest -m gpu: the GPU-marked tests", 75, True, ("suite",)),
+    Stage("suite-rest", "pytest -m 'not gpu': the rest of the suite", 95, False, ("suite",)),
+    Stage("sanitizer-memcheck", "compute-sanitizer memcheck over the op workload", 25, True, ("sanitizer",)),
+    Stage("sanitizer-racecheck", "compute-sanitizer racecheck over the op workload", 25, True, ("sanitizer",)),
+    Stage("sanitizer-synccheck", "compute-sanitizer synccheck over the op workload", 25, True, ("sanitizer",)),
+    Stage("sanitizer-initcheck", "compute-sanitizer initcheck over the op workload", 25, True, ("sanitizer",)),
+    Stage("sync-debug", "scaler.step + update under sync debug 'error', model moved after the optimizer", 20, True,
+          ("probes",)),
+    Stage("graph-capture", "opt.step() and the scaler path captured in a CUDA graph vs eager, bitwise", 25, True,
+          ("probes",)),
+    Stage("launch-counts", "kernels per step, host time per step, graph replay time (reported)", 25, True,
+          ("probes",)),
+    Stage("big-buffer", "a gradient of 2**31 + 17 elements on each backend", 25, True, ("probes",)),
+    Stage("bench", "python -m bench over reduced workloads, torch-compile left out", 55, True),
+]
+STAGE_NAMES = [s.name for s in STAGES]
+
+
+# ------------------------------------------------------------------------------------------ finding tools
+
+def nvcc_path() -> Optional[str]:
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and os.path.exists(os.path.join(cuda_home, "bin", "nvcc")):
+        return os.path.join(cuda_home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def sanitizer_candidates() -> List[str]:
+    """Where compute-sanitizer may be: next to nvcc (also behind a wrapper script or a symlink), in
+    CUDA_HOME/bin, in the toolkit nvcc reports (``nvcc --dryrun``), in /usr/local/cuda, on PATH."""
+    roots: List[str] = []
+    nvcc = nvcc_path()
+    if nvcc:
+        roots += [os.path.dirname(os.path.dirname(nvcc)), os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))]
+        try:
+            out = subprocess.run([nvcc, "--dryrun", "--version"], capture_output=True, text=True, timeout=30).stderr
+            roots += [os.path.normpath(m) for m in re.findall(r"^#\$ TOP=(\S+)", out, re.M)]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            roots.append(os.environ[var])
+    roots.append("/usr/local/cuda")
+    out: List[str] = []
+    for r in roots:
+        for c in (os.path.join(r, "bin", "compute-sanitizer"), os.path.join(r, "compute-sanitizer", "compute-sanitizer")):
+            if c not in out:
+                out.append(c)
+    on_path = shutil.which("compute-sanitizer")
+    if on_path and on_path not in out:
+        out.append(on_path)
+    return out
+
+
+def find_sanitizer() -> Tuple[Optional[str], List[str]]:
+    """(path of compute-sanitizer or None, the places looked at)."""
+    places = sanitizer_candidates()
+    for c in places:
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return c, places
+    return None, places
+
+
+def xdist_available() -> bool:
+    return importlib.util.find_spec("xdist") is not None
+
+
+# ------------------------------------------------------------------------------------------ judging output
+
+_PYTEST_TAIL = re.compile(r"^=*\s*((?:\d+ \w+(?:, )?)+) in [\d.]+s", re.M)
+_PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed|warnings?)")
+
+
+def pytest_outcome(text: str) -> Optional[str]:
+    """pytest's closing counts ('2 failed, 119 passed, 3 skipped'), or None when it did not get that far."""
+    found = _PYTEST_TAIL.findall(text)
+    return found[-1].strip().rstrip(",") if found else None
+
+
+def sanitizer_verdict(text: str, exit_code: Optional[int], tool: str) -> Tuple[str, str]:
+    """(status, note) of a compute-sanitizer run: PASS only when it reported zero errors (racecheck: zero
+    error hazards; warnings are counted in the note), the probe under it said ok and everything exited 0."""
+    low = text.lower()
+    for marker in ("device not supported", "is not supported on this", "no attachable process",
+                   "unable to find injection library", "sanitizer api initialization failed"):
+        if marker in low:
+            line = next((ln.strip() for ln in text.splitlines() if marker in ln.lower()), marker)
+            return SKIP, f"compute-sanitizer could not run here: {line}"
+    errors = [int(n) for n in re.findall(r"ERROR SUMMARY:\s*(\d+) errors?", text)]
+    races = [(int(h), int(e), int(w)) for h, e, w in
+             re.findall(r"RACECHECK SUMMARY:\s*(\d+) hazards? displayed\s*\((\d+) errors?,\s*(\d+) warnings?\)", text)]
+    probe_ok = re.search(r"^probe sanitize: ok\b", text, re.M) is not None
+    first_error = next((ln.strip() for ln in text.splitlines()
+                        if ln.startswith("========= ") and ("Invalid" in ln or "Error" in ln or "Race" in ln
+                                                           or "Uninitialized" in ln or "Barrier" in ln
+                                                           or "Hazard" in ln)), "")
+    if not errors and not races:
+        return FAIL, (f"no sanitizer summary in the output (exit {exit_code})"
+                      + (f"; {_last_line(text)}" if text.strip() else ""))
+    n_err = sum(errors) + sum(e for _, e, _ in races)
+    n_warn = sum(w for _, _, w in races)
+    if n_err:
+        return FAIL, f"{tool}: {n_err} error(s)" + (f"; first: {first_error}" if first_error else "")
+    if not probe_ok or exit_code != 0:
+        probe = _probe_line(text, "sanitize") or _last_line(text)
+        return FAIL, f"{tool} reported 0 errors, but the workload did not pass (exit {exit_code}): {probe}"
+    note = f"{tool}: 0 errors"
+    if n_warn:
+        note += f", {n_warn} racecheck warning(s) (see the log)"
+    return PASS, note
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else "(no output)"
+
+
+def _probe_line(text: str, probe: Optional[str] = None) -> Optional[str]:
+    """The closing line of a probe (``probe NAME: ...``), of any probe when ``probe`` is None."""
+    name = r"[\w-]+" if probe is None else re.escape(probe)
+    found = re.findall(rf"^probe {name}: .*$", text, re.M)
+    return found[-1][:500] if found else None
+
+
+def _exit_words(code: Optional[int]) -> str:
+    if code is None:
+        return "no exit status"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit {code}"
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+@dataclass
+class Outcome:
+    """What running one stage gave."""
+    name: str
+    title: str
+    gpu: bool
+    limit_s: float
+    own_limit_s: float = 0.0
+    status: str = PENDING
+    reason: str = ""
+    command: str = ""
+    exit_code: Optional[int] = None
+    wall_s: Optional[float] = None
+    details: Dict[str, object] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return dict(name=self.name, title=self.title, gpu=self.gpu, status=self.status, reason=self.reason,
+                    command=self.command, exit_code=self.exit_code,
+                    wall_s=None if self.wall_s is None else round(self.wall_s, 2), limit_s=round(self.limit_s, 1),
+                    own_limit_s=self.own_limit_s, details=self.details)
+
+
+def run_limited(cmd: Sequence[str], env: Dict[str, str], cwd: str, limit: float, log_path: str) \
+        -> Tuple[Optional[int], float, bool]:
+    """Run ``cmd`` in a new process group, stdout and stderr to ``log_path``. Past ``limit - INTERRUPT_GRACE``
+    seconds the group gets SIGINT (pytest and Python then print where they were), and at ``limit`` SIGKILL.
+    Returns (exit status or None, wall seconds, timed out)."""
+    t0 = time.monotonic()
+    with open(log_path, "wb") as log:
+        try:
+            proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            log.write(f"cannot start {cmd[0]}: {e}\n".encode())
+            return 127, time.monotonic() - t0, False
+        soft = max(limit - INTERRUPT_GRACE, limit * 0.8)
+        try:
+            code = proc.wait(timeout=soft)
+            _signal_group(proc, signal.SIGKILL)  # anything it left behind (workers), before the next stage
+            return code, time.monotonic() - t0, False
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(proc, signal.SIGINT)
+        try:
+            proc.wait(timeout=max(0.5, limit - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+        _signal_group(proc, signal.SIGKILL)  # whatever of the group is left (workers, the sanitized process)
+        wall = time.monotonic() - t0
+        log.flush()
+        log.write(f"\n[gpu_check: stopped at {wall:.1f} s: the stage's limit is {limit:.0f} s]\n".encode())
+        return proc.returncode, wall, True
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Run:
+    """One run of the check: the stages' outcomes, the output directory and the work directory."""
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.out = os.path.abspath(args.out_dir)
+        os.makedirs(self.out, exist_ok=True)
+        for name in OUTPUT_FILES:  # a previous run's files would be taken for this one's
+            path = os.path.join(self.out, name)
+            if os.path.isfile(path):
+                os.remove(path)
+        self.work = tempfile.mkdtemp(prefix="ampfused-gpu-check-")
+        self.python = args.python or sys.executable
+        self.t0 = time.monotonic()
+        self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.deadline = self.t0 + args.budget
+        self.limits = {s.name: float(s.limit) for s in STAGES}
+        self.limits.update(args.limit)
+        self.outcomes = [Outcome(s.name, s.title, s.gpu, self.limits[s.name], self.limits[s.name]) for s in STAGES]
+        self.env_info: Dict[str, object] = {}
+        self.cuda: Optional[bool] = None
+        self.cuda_reason = ""
+        self.sanitizer, self.sanitizer_places = find_sanitizer()
+        self.log_sections: List[bytes] = []
+        self.base_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1",
+                             PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
+        self.base_env.pop("TRITON_INTERPRET", None)  # compiled kernels on a GPU; the suite decides without one
+
+    # ---- bookkeeping
+    def outcome(self, name: str) -> Outcome:
+        return next(o for o in self.outcomes if o.name == name)
+
+    def selected(self, stage: Stage) -> Tuple[bool, str]:
+        names = {stage.name, *stage.groups}
+        if self.args.only and not names & set(self.args.only):
+            return False, f"not selected (--only {','.join(self.args.only)})"
+        if names & set(self.args.skip):
+            return False, f"--skip {','.join(sorted(names & set(self.args.skip)))} given"
+        return True, ""
+
+    def probe_json(self, name: str) -> str:
+        return os.path.join(self.work, f"{name}.json")
+
+    # ---- stages
+    def command_for(self, stage: Stage) -> Tuple[Optional[List[str]], Dict[str, str], str]:
+        """(command, extra environment, reason it cannot run) of a stage."""
+        py, a = self.python, self.args
+        probe = [py, "-m", "bench.gpu_probe"]
+        dev = ["--device", "cuda"]
+        if stage.name == "env":
+            return probe + ["env", "--json", self.probe_json("env")], {}, ""
+        if stage.name == "build":
+            env = {"AMPFUSED_CUDA_ARCHS": a.archs or self.default_archs(), "MAX_JOBS": str(a.jobs)}
+            return [py, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index", "-v", "-e", "."], \
+                env, ""
+        if stage.name == "info":
+            return [py, "-m", "ampfused.info"], {}, ""
+        if stage.name in ("suite-gpu", "suite-rest"):
+            cmd = [py, "-m", "pytest", "-q", "-rfEs", "--durations=10", "-p", "no:cacheprovider",
+                   "-m", "gpu" if stage.name == "suite-gpu" else "not gpu"]
+            if a.workers > 1 and xdist_available():
+                cmd += ["-n", str(a.workers)]
+            return cmd + ["tests"], {}, ""
+        if stage.name.startswith("sanitizer-"):
+            tool = stage.name.split("-", 1)[1]
+            if self.sanitizer is None:
+                return None, {}, ("compute-sanitizer not found (looked for " + ", ".join(self.sanitizer_places)
+                                  + ")")
+            env = {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"} if tool in ("memcheck", "initcheck") else {}
+            return [self.sanitizer, "--tool", tool, "--print-limit", "100", "--launch-timeout", "120",
+                    "--target-processes", "application-only"] + probe + \
+                ["sanitize"] + dev + ["--json", self.probe_json(stage.name)], env, ""
+        probe_name = {"sync-debug": "sync-debug", "graph-capture": "graph", "launch-counts": "counts",
+                      "big-buffer": "big"}.get(stage.name)
+        if probe_name:
+            return probe + [probe_name] + dev + ["--json", self.probe_json(stage.name)], {}, ""
+        if stage.name == "bench":
+            return probe + ["bench"] + dev + ["--out", self.out, "--name", BENCH_STEM, "--workloads", a.workloads] + \
+                (["--"] + a.bench_args if a.bench_args else []), {}, ""
+        raise AssertionError(stage.name)
+
+    def default_archs(self) -> str:
+        cap = self.env_info.get("capability")
+        return str(cap) if cap else "80;90"
+
+    def judge(self, stage: Stage, o: Outcome, text: str, timed_out: bool) -> None:
+        code = o.exit_code
+        if timed_out:
+            o.status = TIMEOUT
+            extra = ""
+            if stage.name.startswith("suite"):
+                got = pytest_outcome(text)
+                extra = f"; pytest's counts when interrupted: {got}" if got else ""
+            o.reason = f"stopped at its limit of {o.limit_s:.0f} s{extra}"
+            return
+        if stage.name == "env":
+            data = self.read_probe("env")
+            o.details = data.get("metrics", {}) if data else {}
+            o.status = PASS if code == 0 and data else FAIL
+            o.reason = ("" if o.status == PASS else f"{_exit_words(code)}: {_last_line(text)}")
+            if o.status == PASS:
+                d = o.details
+                o.reason = (f"torch {d.get('torch')} (CUDA {d.get('torch_cuda')}), triton {d.get('triton')}; "
+                            + (f"{d.get('device')} sm_{d.get('capability')}, {d.get('free_gib')} of "
+                               f"{d.get('memory_gib')} GiB free" if d.get("cuda_available") else "no CUDA device"))
+            return
+        if stage.name == "build":
+            lines = [ln.strip() for ln in re.findall(r"^\s*ampfused: ampfused\._C\w*: .*$", text, re.M)]
+            o.details = {"modules": lines}
+            if code != 0:
+                o.status, o.reason = FAIL, f"{_exit_words(code)}: " + (
+                    next((ln for ln in text.splitlines() if "error" in ln.lower()), _last_line(text))[:400])
+                return
+            cuda_line = next((ln for ln in lines if "_C_cuda:" in ln), "")
+            if self.cuda and "_C_cuda: built" not in cuda_line:
+                o.status = FAIL
+                o.reason = "pip succeeded but the CUDA backend was not built: " + (cuda_line or "no build line")
+                return
+            o.status, o.reason = PASS, "; ".join(ln.replace("ampfused: ", "") for ln in lines) or "installed"
+            return
+        if stage.name == "info":
+            dispatch = re.findall(r"^\s*dispatch on \w+: .*$", text, re.M)
+            not_usable = re.findall(r"^\s*ampfused\._C\w*: not usable: .*$", text, re.M)
+            o.details = {"dispatch": [d.strip() for d in dispatch], "not_usable": [n.strip() for n in not_usable]}
+            if code != 0:
+                o.status, o.reason = FAIL, f"{_exit_words(code)}: {_last_line(text)}"
+            elif self.cuda and not any(d.strip() == "dispatch on cuda: cuda" for d in dispatch):
+                o.status = FAIL
+                o.reason = "the cuda backend does not run here: " + "; ".join(d.strip() for d in dispatch + not_usable)
+            else:
+                o.status, o.reason = PASS, "; ".join(d.strip() for d in dispatch)
+            return
+        if stage.name.startswith("suite"):
+            got = pytest_outcome(text)
+            o.details = {"pytest": got}
+            if code == 0:
+                o.status, o.reason = PASS, got or "pytest exited 0"
+            elif code == 5:
+                o.status, o.reason = FAIL, "pytest collected no tests"
+            else:
+                o.status = FAIL
+                o.reason = (got or f"pytest {_exit_words(code)} before its summary") + (
+                    "" if code == 1 else f" ({_exit_words(code)})")
+            return
+        if stage.name.startswith("sanitizer-"):
+            o.status, o.reason = sanitizer_verdict(text, code, stage.name.split("-", 1)[1])
+            data = self.read_probe(stage.name)
+            if data:
+                o.details = {"probe": data.get("summary"), "failed_checks": _failed(data)}
+            return
+        if stage.name == "bench":
+            csv = os.path.join(self.out, f"{BENCH_STEM}.csv")
+            if code == 0 and os.path.isfile(csv):
+                o.status, o.reason = PASS, f"wrote {BENCH_STEM}.csv, .txt, .png"
+            else:
+                o.status = FAIL
+                o.reason = f"{_exit_words(code)}: " + next(
+                    (ln.strip() for ln in text.splitlines() if "benchmark stopped" in ln or "FAILED" in ln),
+                    _last_line(text))
+            return
+        # the probes
+        data = self.read_probe(stage.name)
+        if data:
+            o.details = {k: data.get(k) for k in ("summary", "metrics", "notes")}
+            o.details["failed_checks"] = _failed(data)
+            o.details["checks"] = [c["name"] for c in data.get("checks", [])]
+        if code == PROBE_SKIP_EXIT and data and data.get("status") == "skip":
+            o.status, o.reason = SKIP, str(data.get("reason"))
+        elif code == 0 and data and data.get("status") == "ok":
+            o.status = PASS
+            o.reason = data.get("summary", "") + "".join(f"; {n}" for n in data.get("notes", []))
+        else:
+            o.status = FAIL
+            failed = _failed(data) if data else []
+            o.reason = (f"{_exit_words(code)}: " + ("; ".join(failed[:5]) if failed else
+                                                   (_probe_line(text) or _last_line(text))))
+
+    def read_probe(self, name: str) -> Optional[dict]:
+        try:
+            with open(self.probe_json(name)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def gpu_skip_reason(self) -> str:
+        if self.args.no_gpu:
+            return "--no-gpu given"
+        if self.cuda is None:
+            return "CUDA availability unknown: the env stage did not run or failed"
+        return self.cuda_reason or "no CUDA device (torch.cuda.is_available() is False)"
+
+    def run_stage(self, index: int, stage: Stage) -> None:
+        o = self.outcomes[index]
+        ok, why = self.selected(stage)
+        if ok and stage.gpu and (self.args.no_gpu or not self.cuda):
+            ok, why = False, self.gpu_skip_reason()
+        cmd, extra_env, cannot = (None, {}, "")
+        if ok:
+            cmd, extra_env, cannot = self.command_for(stage)
+            if cmd is None:
+                ok, why = False, cannot
+        remaining = self.deadline - time.monotonic()
+        if ok and remaining < min(10.0, o.limit_s):
+            ok, why = False, f"the run's budget of {self.args.budget:.0f} s was spent before this stage"
+        if not ok:
+            o.status, o.reason = SKIP, why
+            self.add_log(index, o, b"")
+            self.announce(index, o)
+            return
+        o.limit_s = self.effective_limit(index, remaining)
+        env = dict(self.base_env, **extra_env)
+        shown_env = " ".join(f"{k}={shlex.quote(v)}" for k, v in extra_env.items())
+        o.command = (shown_env + " " if shown_env else "") + " ".join(shlex.quote(c) for c in cmd)
+        print(f"[{index + 1}/{len(STAGES)}] {stage.name}: {o.command}", flush=True)
+        log_path = os.path.join(self.work, f"{stage.name}.log")
+        o.exit_code, o.wall_s, timed_out = run_limited(cmd, env, REPO, o.limit_s, log_path)
+        with open(log_path, "rb") as f:
+            raw = f.read()
+        text = raw.decode("utf-8", "replace")
+        try:
+            self.judge(stage, o, text, timed_out)
+        except Exception as e:  # noqa: BLE001 - a judging bug must not stop the run
+            o.status, o.reason = FAIL, f"could not judge the output: {type(e).__name__}: {e}"
+        if stage.name == "env":
+            self.env_info = o.details
+            if o.status == PASS:
+                self.cuda = bool(self.env_info.get("cuda_available"))
+                if not self.cuda:
+                    self.cuda_reason = "no CUDA device (torch.cuda.is_available() is False)"
+        self.add_log(index, o, raw)
+        self.announce(index, o)
+
+    def will_run(self, stage: Stage) -> bool:
+        """Whether a stage is expected to run (a GPU stage counts as such while CUDA is not known to be absent)."""
+        return self.selected(stage)[0] and not (stage.gpu and (self.args.no_gpu or self.cuda is False))
+
+    def effective_limit(self, index: int, remaining: float) -> float:
+        """The stage's own limit, plus what earlier stages left unused of theirs (unless --no-rollover), while
+        every later stage that will run keeps its own limit; never more than the budget has left."""
+        own = self.limits[STAGES[index].name]
+        if self.args.no_rollover:
+            return min(own, remaining)
+        reserve = sum(self.limits[s.name] for s in STAGES[index + 1:] if self.will_run(s))
+        return min(remaining, max(own, remaining - reserve))
+
+    def announce(self, index: int, o: Outcome) -> None:
+        took = "" if o.wall_s is None else f" in {o.wall_s:.1f} s"
+        print(f"[{index + 1}/{len(STAGES)}] {o.name}: {o.status}{took}" + (f" - {o.reason}" if o.reason else ""),
+              flush=True)
+        self.write()
+
+    # ---- output
+    def add_log(self, index: int, o: Outcome, raw: bytes) -> None:
+        head = (f"{'=' * 100}\n[{index + 1}/{len(STAGES)}] {o.name}: {o.status}"
+                + (f" ({_exit_words(o.exit_code)}, {o.wall_s:.1f} s of a {o.limit_s:.0f} s limit)"
+                   if o.wall_s is not None else "")
+                + (f"\n{o.reason}" if o.reason else "")
+                + (f"\n$ cd {REPO} && {o.command}" if o.command else "") + f"\n{'-' * 100}\n").encode()
+        if len(raw) > LOG_SECTION_LIMIT:
+            keep_head, keep_tail = LOG_SECTION_LIMIT // 4, LOG_SECTION_LIMIT - LOG_SECTION_LIMIT // 4
+            raw = (raw[:keep_head] + f"\n[... {len(raw) - LOG_SECTION_LIMIT} bytes left out ...]\n".encode()
+                   + raw[-keep_tail:])
+        self.log_sections.append(head + raw + (b"" if raw.endswith(b"\n") or not raw else b"\n"))
+
+    def overall(self) -> Tuple[str, Dict[str, int]]:
+        counts = {s: sum(o.status == s for o in self.outcomes) for s in (PASS, FAIL, TIMEOUT, SKIP, PENDING)}
+        if counts[FAIL] or counts[TIMEOUT]:
+            return FAIL, counts
+        if counts[PENDING]:
+            return "INCOMPLETE", counts
+        return (PASS if not counts[SKIP] else "PASS with skips"), counts
+
+    def write(self) -> None:
+        overall, counts = self.overall()
+        now = time.monotonic()
+        data = dict(tool="python -m bench.gpu_check", started=self.started, elapsed_s=round(now - self.t0, 1),
+                    budget_s=self.args.budget, overall=overall, counts=counts, commit=_git_commit(),
+                    cuda=self.cuda, gpu_skip_reason=None if self.cuda else self.gpu_skip_reason(),
+                    environment=self.env_info, sanitizer=self.sanitizer,
+                    stages=[o.as_dict() for o in self.outcomes], files=self.files())
+        _write_atomic(os.path.join(self.out, SUMMARY_JSON), json.dumps(data, indent=1, default=str) + "\n")
+        _write_atomic(os.path.join(self.out, SUMMARY_MD), self.markdown(overall, counts, now))
+        with open(os.path.join(self.out, LOG), "wb") as f:
+            f.write(b"".join(self.log_sections))
+
+    def files(self) -> List[str]:
+        return [n for n in OUTPUT_FILES if os.path.isfile(os.path.join(self.out, n)) or n in
+                (SUMMARY_MD, SUMMARY_JSON, LOG)]
+
+    def markdown(self, overall: str, counts: Dict[str, int], now: float) -> str:
+        e = self.env_info
+        device = (f"{e.get('device')} (sm_{e.get('capability')}, {e.get('memory_gib')} GiB)"
+                  if self.cuda and not self.args.no_gpu else f"GPU stages skipped: {self.gpu_skip_reason()}")
+        lines = ["# ampfused GPU check", "",
+                 f"- commit {_git_commit()}; started {self.started}; took {now - self.t0:.0f} s of a "
+                 f"{self.args.budget:.0f} s budget",
+                 f"- {device}; torch {e.get('torch', '?')} (CUDA {e.get('torch_cuda', '?')}), triton "
+                 f"{e.get('triton', '?')}, python {e.get('python', '?')}",
+                 f"- compute-sanitizer: {self.sanitizer or 'not found'}",
+                 f"- **overall: {overall}** ({', '.join(f'{v} {k}' for k, v in counts.items() if v)})", "",
+                 "| # | stage | status | time | limit | exit | what it found |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for i, o in enumerate(self.outcomes):
+            took = "" if o.wall_s is None else f"{o.wall_s:.1f} s"
+            exit_ = "" if o.exit_code is None else str(o.exit_code)
+            lines.append(f"| {i + 1} | {o.name} | {o.status} | {took} | {o.limit_s:.0f} s | {exit_} | "
+                         f"{_md_cell(o.reason)} |")
+        counts_rows = (self.outcome("launch-counts").details.get("metrics") or {}).get("rows") \
+            if isinstance(self.outcome("launch-counts").details.get("metrics"), dict) else None
+        if counts_rows:
+            from .gpu_probe import counts_table
+            lines += ["", "## Launches and host time per step (reported, not asserted)", "",
+                      "FusedAdamW (bf16 parameters, fp32 masters, clipping), 1M parameters; medians. 'fresh grads': "
+                      "the gradients set to None and handed over as new tensors before each step.", ""]
+            lines += counts_table(counts_rows)
+        syncs = (self.outcome("sync-debug").details.get("metrics") or {}) \
+            if isinstance(self.outcome("sync-debug").details.get("metrics"), dict) else {}
+        if syncs.get("first_step_after_move_syncs"):
+            lines += ["", "## Host syncs of the first step after the model moved (reported, not asserted)", ""]
+            lines += [f"- {k}: {v}" for k, v in syncs["first_step_after_move_syncs"].items()]
+        bench_txt = os.path.join(self.out, f"{BENCH_STEM}.txt")
+        if os.path.isfile(bench_txt):
+            with open(bench_txt) as f:
+                lines += ["", "## Benchmark", "", "```", f.read().rstrip(), "```"]
+        bad = [o for o in self.outcomes if o.status in (FAIL, TIMEOUT)]
+        if bad:
+            lines += ["", "## What failed", ""]
+            for o in bad:
+                lines.append(f"- **{o.name}** ({o.status}): {o.reason}")
+                for name in (o.details.get("failed_checks") or [])[:10]:
+                    lines.append(f"  - {name}")
+        lines += ["", f"Each stage's command and whole output: `{LOG}`; checks and measurements: `{SUMMARY_JSON}`.",
+                  ""]
+        return "\n".join(lines)
+
+    def finish(self) -> int:
+        self.write()
+        shutil.rmtree(self.work, ignore_errors=True)
+        overall, counts = self.overall()
+        with open(os.path.join(self.out, SUMMARY_MD)) as f:
+            print("\n" + f.read())
+        print(f"wrote {', '.join(os.path.join(self.out, n) for n in self.files())}")
+        return 1 if overall == FAIL else 0
+
+
+def _failed(data: Optional[dict]) -> List[str]:
+    if not data:
+        return []
+    return [f"{c['name']}: {c.get('error', '')}"[:600] for c in data.get("checks", []) if not c.get("ok")]
+
+
+def _md_cell(text: str) -> str:
+    text = (text or "").replace("|", "\\|").replace("\n", " ")
+    return text if len(text) <= 600 else text[:600] + " [...]"
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "n/a"
+    return (sha + ("+dirty" if dirty else "")) if sha else "n/a"
+
+
+# -------------------------------------------------------------------------------------------------- cli
+
+def _names(value: str) -> List[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    known = set(STAGE_NAMES) | {g for s in STAGES for g in s.groups}
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown stage(s) {bad}; stages: {', '.join(STAGE_NAMES)}; groups: "
+                                         f"{', '.join(sorted({g for s in STAGES for g in s.groups}))}")
+    return names
+
+
+def _limit(value: str) -> Tuple[str, float]:
+    name, _, secs = value.partition("=")
+    if name not in STAGE_NAMES or not secs:
+        raise argparse.ArgumentTypeError(f"--limit wants STAGE=SECONDS with a stage of {', '.join(STAGE_NAMES)}")
+    return name, float(secs)
+
+
+def parser() -> argparse.ArgumentParser:
+    table = "\n".join(f"  {s.name:<20} {s.limit:>4.0f} s  {'GPU ' if s.gpu else 'host'}  {s.title}" for s in STAGES)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0],
+        epilog=f"stages (default limits, sum {sum(s.limit for s in STAGES):.0f} s):\n{table}\n\ngroups: suite, "
+               "sanitizer, probes\n\nexample (a GPU machine, from the checkout):\n  python3 -m bench.gpu_check "
+               "\"$OUT\"\na dry run without a GPU:\n  python3 -m bench.gpu_check /tmp/gpu-check --skip build,suite",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir", metavar="OUT_DIR", help="where the summary, the log and the benchmark files go")
+    p.add_argument("--skip", type=_names, default=[], help="comma list of stages or groups to skip")
+    p.add_argument("--only", type=_names, default=[], help="comma list of stages or groups to run (env always "
+                                                           "runs unless skipped: the GPU stages need it)")
+    p.add_argument("--limit", type=_limit, action="append", default=[], metavar="STAGE=SECONDS",
+                   help="another time limit for one stage (repeatable)")
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
+                   help=f"seconds for the whole run; a stage gets at most what is left (default {DEFAULT_BUDGET:.0f})")
+    p.add_argument("--no-rollover", action="store_true",
+                   help="a stage gets only its own limit (default: also what earlier stages left unused, as long as "
+                        "every later stage keeps its own)")
+    p.add_argument("--no-gpu", action="store_true", help="report every GPU stage as skipped")
+    p.add_argument("--archs", default=None, help="AMPFUSED_CUDA_ARCHS for the build (default: the device's, e.g. 90)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="MAX_JOBS for the build (default: cores)")
+    p.add_argument("--workers", type=int, default=min(8, max(1, (os.cpu_count() or 1) // 2)),
+                   help="pytest-xdist workers for the suite when xdist is installed (default: half the cores, at "
+                        "most 8; 1 runs without xdist)")
+    p.add_argument("--workloads", default=DEFAULT_WORKLOADS, help=f"benchmark workloads (default {DEFAULT_WORKLOADS})")
+    p.add_argument("--bench-args", type=shlex.split, default=[],
+                   help="more arguments for python -m bench, as one string (e.g. \"--reps 50\")")
+    p.add_argument("--python", default=None, help="the interpreter every stage runs (default: this one)")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    args.limit = dict(args.limit)
+    if args.only and "env" not in args.only and "env" not in args.skip:
+        args.only = ["env"] + args.only
+    run = Run(args)
+    print(f"ampfused GPU check: {len(STAGES)} stages, budget {args.budget:.0f} s, output in {run.out}", flush=True)
+    try:
+        for i, stage in enumerate(STAGES):
+            run.run_stage(i, stage)
+    except KeyboardInterrupt:
+        print("interrupted: writing what was done", file=sys.stderr)
+    return run.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

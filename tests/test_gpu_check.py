@@ -1,0 +1,268 @@
+"""``python -m bench.gpu_check`` without a GPU: every GPU stage is reported as skipped with its reason, the
+summary lists every stage and the output directory holds only the files promised. Also: a stage past its
+limit is stopped and the run goes on, how sanitizer and pytest output are judged, and the probes' workloads
+on the CPU backend (the same code that runs on a GPU, where the CUDA-only parts are left out)."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # bench/ is a directory of the repository, not part of the installed package
+    sys.path.insert(0, REPO)
+
+from bench import gpu_check, gpu_probe  # noqa: E402
+
+NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+GPU_STAGES = [s.name for s in gpu_check.STAGES if s.gpu]
+
+
+def _files(out):
+    found = []
+    for dirpath, dirnames, filenames in os.walk(out):
+        rel = os.path.relpath(dirpath, out)
+        depth = 0 if rel == "." else rel.count(os.sep) + 1
+        assert depth <= 2, f"{dirpath} is more than 2 folders down"
+        for d in dirnames:
+            assert NAME.match(d), d
+        for f in filenames:
+            assert NAME.match(f), f
+            found.append(os.path.normpath(os.path.join(rel, f)))
+    return sorted(found)
+
+
+def test_dry_run_without_cuda_skips_every_gpu_stage_and_writes_the_summary(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no device, even on a machine that has one
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "bench.gpu_check", str(out), "--skip", "build,suite"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert took < 60, f"the dry run took {took:.0f} s"
+    assert _files(out) == sorted(["gpu_check.log", "summary.json", "summary.md"])
+    assert len(_files(out)) <= 8
+
+    data = json.loads((out / "summary.json").read_text())
+    stages = {s["name"]: s for s in data["stages"]}
+    assert [s["name"] for s in data["stages"]] == gpu_check.STAGE_NAMES
+    assert data["cuda"] is False and data["overall"] == "PASS with skips"
+    assert data["files"] == ["summary.md", "summary.json", "gpu_check.log"]
+    for name in GPU_STAGES:
+        if name == "suite-gpu":  # skipped by --skip suite before its device is asked for
+            continue
+        assert stages[name]["status"] == "SKIP" and "CUDA" in stages[name]["reason"], stages[name]
+        assert stages[name]["exit_code"] is None and stages[name]["wall_s"] is None
+    for name in ("build", "suite-gpu", "suite-rest"):
+        assert stages[name]["status"] == "SKIP" and "--skip" in stages[name]["reason"], stages[name]
+    for name in ("env", "info"):
+        assert stages[name]["status"] == "PASS" and stages[name]["exit_code"] == 0, stages[name]
+    assert stages["env"]["details"]["cuda_available"] is False
+    assert [s["own_limit_s"] for s in data["stages"]] == [s.limit for s in gpu_check.STAGES]
+    assert stages["bench"]["limit_s"] == stages["bench"]["own_limit_s"]  # a skipped stage shows its own limit
+
+    md = (out / "summary.md").read_text()
+    for i, name in enumerate(gpu_check.STAGE_NAMES):
+        status = stages[name]["status"]
+        assert re.search(rf"^\| {i + 1} \| {re.escape(name)} \| {status} \|", md, re.M), name
+    assert "**overall: PASS with skips**" in md
+    log = (out / "gpu_check.log").read_text()
+    for i, name in enumerate(gpu_check.STAGE_NAMES):
+        assert f"[{i + 1}/{len(gpu_check.STAGES)}] {name}: " in log
+    assert "ampfused " in log and "dispatch on cpu" in log  # info's output is in the log
+    assert "SKIP" in run.stdout and "overall" in run.stdout
+
+
+def test_stage_limits_fit_one_ten_minute_call():
+    assert sum(s.limit for s in gpu_check.STAGES) <= gpu_check.DEFAULT_BUDGET <= 540
+    assert len(set(gpu_check.STAGE_NAMES)) == len(gpu_check.STAGES)
+    assert len(gpu_check.OUTPUT_FILES) <= 8 and all(NAME.match(n) for n in gpu_check.OUTPUT_FILES)
+
+
+def _fake_env_command(cuda):
+    """A stand-in for the env probe (no torch import): writes the JSON the driver reads."""
+    def command_for(run, stage, original=gpu_check.Run.command_for):
+        if stage.name != "env":
+            return original(run, stage)
+        data = {"status": "ok", "summary": "probe env: ok", "checks": [{"name": "env", "ok": True}],
+                "metrics": {"cuda_available": cuda, "torch": "t", "torch_cuda": None, "triton": "t"}}
+        code = f"import json; json.dump({data!r}, open({run.probe_json('env')!r}, 'w'))"
+        return [sys.executable, "-c", code], {}, ""
+    return command_for
+
+
+def test_a_failing_and_a_hanging_stage_do_not_stop_the_run(tmp_path, monkeypatch, capsys):
+    fake_env = _fake_env_command(cuda=False)
+
+    def command_for(run, stage):
+        if stage.name == "info":
+            return [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], {}, ""
+        if stage.name == "suite-rest":
+            return [sys.executable, "-c", "import time; print('1 passed in 0.1s', flush=True); time.sleep(60)"], {}, ""
+        return fake_env(run, stage)
+
+    monkeypatch.setattr(gpu_check.Run, "command_for", command_for)
+    code = gpu_check.main([str(tmp_path), "--only", "info,suite-rest", "--limit", "suite-rest=3", "--no-rollover"])
+    assert code == 1
+    data = json.loads((tmp_path / "summary.json").read_text())
+    stages = {s["name"]: s for s in data["stages"]}
+    assert stages["env"]["status"] == "PASS"
+    assert stages["info"]["status"] == "FAIL" and "exit 3" in stages["info"]["reason"]
+    assert stages["suite-rest"]["status"] == "TIMEOUT" and stages["suite-rest"]["wall_s"] < 8
+    assert "stopped at its limit of 3 s" in stages["suite-rest"]["reason"]
+    assert stages["build"]["status"] == "SKIP" and "not selected" in stages["build"]["reason"]
+    assert all(stages[n]["status"] == "SKIP" for n in GPU_STAGES)
+    assert data["overall"] == "FAIL"
+    assert "boom" in (tmp_path / "gpu_check.log").read_text()
+    assert "## What failed" in (tmp_path / "summary.md").read_text()
+
+
+def test_no_gpu_flag_and_missing_sanitizer(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check.Run, "command_for", _fake_env_command(cuda=True))
+    assert gpu_check.main([str(tmp_path), "--only", "probes", "--no-gpu"]) == 0
+    stages = {s["name"]: s for s in json.loads((tmp_path / "summary.json").read_text())["stages"]}
+    probes = [s.name for s in gpu_check.STAGES if "probes" in s.groups]
+    assert probes and all(stages[n]["status"] == "SKIP" and stages[n]["reason"] == "--no-gpu given" for n in probes)
+
+    monkeypatch.setattr(gpu_check, "find_sanitizer", lambda: (None, ["/nowhere/bin/compute-sanitizer"]))
+    assert gpu_check.main([str(tmp_path), "--only", "sanitizer"]) == 0
+    stages = {s["name"]: s for s in json.loads((tmp_path / "summary.json").read_text())["stages"]}
+    for tool in gpu_check.SANITIZER_TOOLS:
+        s = stages[f"sanitizer-{tool}"]
+        assert s["status"] == "SKIP" and "compute-sanitizer not found" in s["reason"] and "/nowhere" in s["reason"]
+
+
+def test_unused_time_rolls_over_while_later_stages_keep_their_limits(tmp_path):
+    args = gpu_check.parser().parse_args([str(tmp_path / "o"), "--skip", "build"])
+    args.limit = dict(args.limit)
+    run = gpu_check.Run(args)
+    i = gpu_check.STAGE_NAMES.index
+    later = sum(s.limit for s in gpu_check.STAGES[i("info") + 1:])
+    # CUDA not known yet: the GPU stages keep their reserve
+    assert run.effective_limit(i("info"), 540.0) == 540.0 - later
+    assert run.effective_limit(i("info"), 200.0) == 15.0  # behind schedule: its own limit, no more
+    run.cuda = False  # no GPU: only the host stages are reserved for
+    host_later = sum(s.limit for s in gpu_check.STAGES[i("info") + 1:] if not s.gpu)
+    assert run.effective_limit(i("info"), 500.0) == 500.0 - host_later
+    assert run.effective_limit(i("bench"), 300.0) == 300.0
+    assert run.effective_limit(i("bench"), 5.0) == 5.0  # never past the budget
+    args.no_rollover = True
+    assert run.effective_limit(i("info"), 500.0) == 15.0
+    shutil.rmtree(run.work)
+
+
+def test_run_limited_interrupts_then_kills(tmp_path):
+    log = tmp_path / "a.log"
+    code, wall, timed_out = gpu_check.run_limited(
+        [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"], dict(os.environ),
+        str(tmp_path), 3.0, str(log))
+    assert timed_out and wall < 6
+    text = log.read_text()
+    assert "started" in text and "KeyboardInterrupt" in text and "stopped at" in text
+    stubborn = ("import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); "
+                "time.sleep(60)")
+    code, wall, timed_out = gpu_check.run_limited([sys.executable, "-c", stubborn], dict(os.environ),
+                                                  str(tmp_path), 3.0, str(log))
+    assert timed_out and wall < 6 and code == -9
+    code, wall, timed_out = gpu_check.run_limited([sys.executable, "-c", "print('fine')"], dict(os.environ),
+                                                  str(tmp_path), 30.0, str(log))
+    assert (code, timed_out) == (0, False) and log.read_text() == "fine\n"
+
+
+def test_sanitizer_verdicts():
+    ok = "ok   x\nprobe sanitize: ok (40 checks on cuda)\n========= ERROR SUMMARY: 0 errors\n"
+    assert gpu_check.sanitizer_verdict(ok, 0, "memcheck")[0] == "PASS"
+    bad = ("========= Invalid __global__ read of size 4 bytes\n=========     at k+0x40\nprobe sanitize: ok (40 checks)\n"
+           "========= ERROR SUMMARY: 3 errors\n")
+    status, note = gpu_check.sanitizer_verdict(bad, 0, "memcheck")
+    assert status == "FAIL" and "3 error" in note and "Invalid __global__ read" in note
+    race = "probe sanitize: ok (4 checks)\n========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
+    assert gpu_check.sanitizer_verdict(race, 0, "racecheck")[0] == "PASS"
+    race_bad = "probe sanitize: ok\n========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)\n"
+    assert gpu_check.sanitizer_verdict(race_bad, 0, "racecheck")[0] == "FAIL"
+    crashed = "probe sanitize: FAILED 1 of 40 checks: x\n========= ERROR SUMMARY: 0 errors\n"
+    status, note = gpu_check.sanitizer_verdict(crashed, 1, "initcheck")
+    assert status == "FAIL" and "did not pass" in note
+    assert gpu_check.sanitizer_verdict("Segmentation fault\n", -11, "memcheck")[0] == "FAIL"
+    unsupported = "========= Error: Device not supported\n"
+    assert gpu_check.sanitizer_verdict(unsupported, 1, "memcheck")[0] == "SKIP"
+
+
+def test_pytest_outcome():
+    assert gpu_check.pytest_outcome("...F\n2 failed, 591 passed, 1 skipped in 72.49s (0:01:12)\n") == \
+        "2 failed, 591 passed, 1 skipped"
+    assert gpu_check.pytest_outcome("==== 121 passed, 727 deselected in 5.00s ====") == "121 passed, 727 deselected"
+    assert gpu_check.pytest_outcome("....[gpu_check: stopped]") is None
+
+
+# ---- the probes' workloads on the CPU backend ----------------------------------------------------------------
+
+def _probe(tmp_path, *argv):
+    path = tmp_path / f"{argv[0]}.json"
+    code = gpu_probe.main(list(argv) + ["--device", "cpu", "--backends", "cpu", "--json", str(path)])
+    return code, json.loads(path.read_text())
+
+
+def test_sanitize_workload_on_the_cpu_backend(tmp_path):
+    code, data = _probe(tmp_path, "sanitize")
+    assert code == 0, data
+    names = [c["name"] for c in data["checks"]]
+    for what in ("norm_check", "unscale_", "update_scale_", "adam_step_", "sgd_step_", "FusedAdamW", "FusedAdam ",
+                 "FusedSGD"):
+        assert any(what in n for n in names), what
+
+
+def test_sync_debug_and_graph_workloads_on_the_cpu_backend(tmp_path):
+    code, data = _probe(tmp_path, "sync-debug", "--steps", "4")
+    assert code == 0 and len(data["checks"]) == 3, data
+    code, data = _probe(tmp_path, "graph")
+    assert code == 0 and len(data["checks"]) == 6, data
+
+
+def test_counts_and_big_buffer_workloads_on_the_cpu_backend(tmp_path):
+    code, data = _probe(tmp_path, "counts", "--tensors", "20,50", "--numel", "20000", "--reps", "3")
+    assert code == 0, data
+    rows = data["metrics"]["rows"]
+    assert [(r["tensors"], r["path"]) for r in rows] == [(20, "opt.step()"), (20, "scaler.step + update"),
+                                                         (50, "opt.step()"), (50, "scaler.step + update")]
+    assert all(r["host_ms"] > 0 and r["replay_host_ms"] is None for r in rows)
+    table = gpu_probe.counts_table(rows)
+    assert len(table) == 2 + len(rows) and table[2].startswith("| 20 | cpu | opt.step() |")
+    code, data = _probe(tmp_path, "big", "--numel", "300007")
+    assert code == 0 and len(data["checks"]) == 2, data
+    assert gpu_probe.big_indices(2**31 + 17) == [0, 2**31 - 3, 2**31, 2**31 + 5, 2**31 + 16]
+
+
+def test_a_failed_check_fails_the_probe_and_the_rest_still_run(tmp_path, capsys):
+    rep = gpu_probe.Report("demo", "cpu")
+    import torch
+    with rep.check("differs by one bit"):
+        a = torch.ones(4)
+        gpu_probe.assert_bitwise("x", a, torch.nextafter(a, torch.full_like(a, 2.0)))
+    with rep.check("fine"):
+        pass
+    path = tmp_path / "demo.json"
+    assert rep.finish(str(path)) == 1
+    data = json.loads(path.read_text())
+    assert data["status"] == "fail" and [c["ok"] for c in data["checks"]] == [False, True]
+    assert "4 of 4 elements differ" in data["checks"][0]["error"]
+    assert "probe demo: FAILED 1 of 2 checks: differs by one bit" in capsys.readouterr().out
+    skipped = gpu_probe.Report("demo", "cuda")
+    skipped.skip("needs 27.0 GiB of device memory, 3.0 GiB free")
+    assert skipped.finish(None) == gpu_probe.SKIP_EXIT
+
+
+def test_readme_lists_every_stage_with_its_limit():
+    readme = open(os.path.join(REPO, "README.md")).read()
+    section = readme[readme.index("### Validating a GPU"):]
+    listed = {}
+    for names, limits in re.findall(r"^\| (`[^|]+) \| ([^|]+) \|", section, re.M):
+        names = re.findall(r"`([^`]+)`", names)
+        names = [names[0]] + [n if not n.startswith("-") else names[0].split("-")[0] + n for n in names[1:]]
+        secs = [float(x) for x in re.findall(r"(\d+) s", limits)]
+        secs = secs * len(names) if "each" in limits else secs
+        listed.update(zip(names, secs))
+    assert listed == {s.name: s.limit for s in gpu_check.STAGES}
