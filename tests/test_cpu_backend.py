@@ -567,7 +567,13 @@ def check_opcheck(device, backend):
     torch.library.opcheck(o.unscale_.default, ([g.clone() for g in grads], inv, backend))
     torch.library.opcheck(o.update_scale_.default, (torch.tensor(4.0, device=device),
                                                     torch.tensor(0, dtype=torch.int32, device=device),
-                                                    torch.tensor(0.0, device=device), 2.0, 0.5, 1, backend))
+                                                    torch.tensor(0.0, device=device), 2.0, 0.5, 1, None, None,
+                                                    backend))
+    torch.library.opcheck(o.update_scale_.default, (torch.tensor(4.0, device=device),
+                                                    torch.tensor(0, dtype=torch.int32, device=device),
+                                                    torch.tensor(1.0, device=device), 2.0, 0.5, 1,
+                                                    torch.zeros((), device=device),
+                                                    torch.zeros((), dtype=torch.int64, device=device), backend))
     with_none = [t["grads"][0], None]
     for grads_ in (t["grads"], with_none):
         torch.library.opcheck(o.adam_step_.default, (t["params"], grads_, t["master"], t["exp_avg"],

@@ -215,7 +215,10 @@ def test_custom_ops_pass_opcheck():
         opcheck(torch.ops.ampfused.sgd_step_.default,
                 (ps, gs, master, m, steps, part, inv, lr, st, 0.9, 0.0, 0.0, True, math.inf, False, b))
         opcheck(torch.ops.ampfused.update_scale_.default,
-                (torch.tensor(8.0), torch.zeros((), dtype=torch.int32), torch.tensor(0.0), 2.0, 0.5, 2, b))
+                (torch.tensor(8.0), torch.zeros((), dtype=torch.int32), torch.tensor(0.0), 2.0, 0.5, 2, None, None, b))
+        opcheck(torch.ops.ampfused.update_scale_.default,
+                (torch.tensor(8.0), torch.zeros((), dtype=torch.int32), torch.tensor(1.0), 2.0, 0.5, 2,
+                 torch.zeros(()), torch.zeros((), dtype=torch.int64), b))
 
 
 @pytest.mark.parametrize("backend", cpu_backends())

@@ -254,7 +254,10 @@ def test_opcheck_k1_and_scale():
     scale = torch.tensor(1024.0, device=DEVICE)
     tracker = torch.tensor(0, dtype=torch.int32, device=DEVICE)
     torch.library.opcheck(torch.ops.ampfused.update_scale_.default,
-                          (scale, tracker, torch.tensor(0.0, device=DEVICE), 2.0, 0.5, 3, "triton"))
+                          (scale, tracker, torch.tensor(0.0, device=DEVICE), 2.0, 0.5, 3, None, None, "triton"))
+    torch.library.opcheck(torch.ops.ampfused.update_scale_.default,
+                          (scale, tracker, torch.tensor(1.0, device=DEVICE), 2.0, 0.5, 3,
+                           torch.zeros((), device=DEVICE), torch.zeros((), dtype=torch.int64, device=DEVICE), "triton"))
 
 
 def test_kernels_only_importable_under_ampfused(tmp_path):
