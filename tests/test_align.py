@@ -85,3 +85,10 @@ def test_ulp_distance():
     # a master near zero in a tensor of larger values counts in ULPs of the tensor's RMS, not of its own
     assert 0 < u[3] < 1e-3
     assert R.ulp_distance(x, x.clone(), x, sizes).abs().sum() == 0
+
+
+def test_chaos_starts_where_model_weights_part():
+    m = R.MasterFigures(max_ulps=[3.0, 2.0, 900.0], weights_differ=[0, 1, 5])
+    assert R.before_chaos(m) == 2  # step 3's forward pass saw a weight that step 2 rounded differently
+    assert R.before_chaos(R.MasterFigures(max_ulps=[1.0, 1.0], weights_differ=[4, 0])) == 1
+    assert R.before_chaos(R.MasterFigures(max_ulps=[1.0, 1.0, 1.0], weights_differ=[0, 0, 0])) == 3
