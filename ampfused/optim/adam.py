@@ -8,23 +8,29 @@ from . import _params as P
 from ._base import FusedOptimizer
 
 
-class _FusedAdamBase(FusedOptimizer):
+def _check_unsupported(cls: str, amsgrad, differentiable) -> None:
+    if amsgrad:
+        raise ValueError(f"amsgrad=True: {cls} does not implement AMSGrad; use torch.optim.AdamW(amsgrad=True)")
+    if differentiable:
+        raise ValueError(f"differentiable=True: {cls} updates in place without autograd")
+
+
+class AdamMath:
+    """What makes an optimizer Adam/AdamW, shared by the fused optimizers and their ZeRO-1 sharded versions:
+    arguments, the rules of its hyperparameters, the step op and its state in a state dict."""
+
     state_names = ("exp_avg", "exp_avg_sq")
     decoupled = False
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
-                 maximize=False, max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
-                 backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None,
-                 foreach=None, fused=None, capturable=False, differentiable=False):
-        _check_unsupported(type(self).__name__, amsgrad, differentiable)
+    @classmethod
+    def adam_defaults(cls, lr, betas, eps, weight_decay, amsgrad, maximize, differentiable) -> dict:
+        _check_unsupported(cls.__name__, amsgrad, differentiable)
         P.check_lr(lr)
         P.check_eps(eps)
         P.check_betas(betas)
         P.check_weight_decay(weight_decay)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=bool(maximize),
-                        amsgrad=False)
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
-                         backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
+        return dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=bool(maximize),
+                    amsgrad=False)
 
     def _validate_group(self, group: dict, where: str) -> None:
         super()._validate_group(group, where)
@@ -35,12 +41,12 @@ class _FusedAdamBase(FusedOptimizer):
             raise ValueError(f"amsgrad=True{where}: {type(self).__name__} does not implement AMSGrad (it keeps no "
                              "max_exp_avg_sq); use torch.optim.AdamW(amsgrad=True) for it")
 
-    def _update(self, seg, grads, group, partials, inv_scale, lr, max_norm) -> None:
+    def _step_op(self, seg, params, grads, group, partials, inv_scale, lr, max_norm, backend: str) -> None:
         beta1, beta2 = group["betas"]
-        ops.call_step_("adam_step_", seg.params, grads, seg.master, seg.states["exp_avg"], seg.states["exp_avg_sq"],
+        ops.call_step_("adam_step_", params, grads, seg.master, seg.states["exp_avg"], seg.states["exp_avg_sq"],
                        seg.steps, partials, inv_scale, lr, self._stats, float(beta1), float(beta2),
                        float(group["eps"]), float(group["weight_decay"]), max_norm, self.decoupled,
-                       bool(group["maximize"]), self._backend_name(seg, grads))
+                       bool(group["maximize"]), backend)
 
     def _state_keys_for_load(self, saved: dict):
         if "max_exp_avg_sq" in saved:
@@ -49,11 +55,17 @@ class _FusedAdamBase(FusedOptimizer):
         return self.state_names
 
 
-def _check_unsupported(cls: str, amsgrad, differentiable) -> None:
-    if amsgrad:
-        raise ValueError(f"amsgrad=True: {cls} does not implement AMSGrad; use torch.optim.AdamW(amsgrad=True)")
-    if differentiable:
-        raise ValueError(f"differentiable=True: {cls} updates in place without autograd")
+class _FusedAdamBase(AdamMath, FusedOptimizer):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 maximize=False, max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
+                 backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None,
+                 foreach=None, fused=None, capturable=False, differentiable=False):
+        defaults = self.adam_defaults(lr, betas, eps, weight_decay, amsgrad, maximize, differentiable)
+        super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
+                         backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
+
+    def _update(self, seg, grads, group, partials, inv_scale, lr, max_norm) -> None:
+        self._step_op(seg, seg.params, grads, group, partials, inv_scale, lr, max_norm, self._backend_name(seg, grads))
 
 
 class FusedAdam(_FusedAdamBase):

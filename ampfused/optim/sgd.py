@@ -8,47 +8,41 @@ from . import _params as P
 from ._base import FusedOptimizer
 
 
-class FusedSGD(FusedOptimizer):
-    """SGD with fp32 master weights for fp16/bf16 parameters, in the fused check + norm + clip + update
-    step. ``foreach``, ``fused`` and ``capturable`` are accepted for drop-in use and ignored."""
+class SgdMath:
+    """What makes an optimizer SGD, shared by :class:`FusedSGD` and its ZeRO-1 sharded version: arguments, the
+    rules of its hyperparameters, the step op and torch.optim.SGD's state-dict layout."""
 
     state_names = ("momentum_buffer",)
 
-    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
-                 maximize=False, max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
-                 backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None,
-                 foreach=None, fused=None, capturable=False, differentiable=False):
+    @classmethod
+    def sgd_defaults(cls, lr, momentum, dampening, weight_decay, nesterov, maximize, differentiable) -> dict:
         if differentiable:
-            raise ValueError("differentiable=True: FusedSGD updates in place without autograd")
+            raise ValueError(f"differentiable=True: {cls.__name__} updates in place without autograd")
         P.check_lr(lr)
         P.check_momentum(momentum, dampening, nesterov)
         P.check_weight_decay(weight_decay)
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=bool(nesterov), maximize=bool(maximize))
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
-                         backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
+        return dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                    nesterov=bool(nesterov), maximize=bool(maximize))
 
     def _validate_group(self, group: dict, where: str) -> None:
         super()._validate_group(group, where)
         P.check_momentum(group["momentum"], group["dampening"], group["nesterov"], where)
         P.check_weight_decay(group["weight_decay"], where)
 
-    def _update(self, seg, grads, group, partials, inv_scale, lr, max_norm) -> None:
+    def _step_op(self, seg, params, grads, group, partials, inv_scale, lr, max_norm, backend: str) -> None:
         momentum = float(group["momentum"])
-        ops.call_step_("sgd_step_", seg.params, grads, seg.master,
+        ops.call_step_("sgd_step_", params, grads, seg.master,
                        seg.states["momentum_buffer"] if momentum != 0 else None, seg.steps, partials, inv_scale, lr,
                        self._stats, momentum, float(group["dampening"]), float(group["weight_decay"]),
-                       bool(group["nesterov"]), max_norm, bool(group["maximize"]), self._backend_name(seg, grads))
+                       bool(group["nesterov"]), max_norm, bool(group["maximize"]), backend)
 
     # torch.optim.SGD keeps no step; its momentum_buffer is None until the first step with momentum.
     def _export_param_state(self, st: dict, step: float) -> dict:
-        out = {"momentum_buffer": st["momentum_buffer"] if step > 0 and self._has_momentum() else None}
+        has_momentum = any(g["momentum"] != 0 for g in self.param_groups)
+        out = {"momentum_buffer": st["momentum_buffer"] if step > 0 and has_momentum else None}
         if "master_param" in st:
             out["master_param"] = st["master_param"]
         return out
-
-    def _has_momentum(self) -> bool:
-        return any(g["momentum"] != 0 for g in self.param_groups)
 
     def _import_step(self, saved: dict) -> float:
         if "step" in saved:
@@ -57,3 +51,19 @@ class FusedSGD(FusedOptimizer):
 
     def _state_keys_for_load(self, saved: dict):
         return ("momentum_buffer",) if saved.get("momentum_buffer") is not None else ()
+
+
+class FusedSGD(SgdMath, FusedOptimizer):
+    """SGD with fp32 master weights for fp16/bf16 parameters, in the fused check + norm + clip + update
+    step. ``foreach``, ``fused`` and ``capturable`` are accepted for drop-in use and ignored."""
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
+                 maximize=False, max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
+                 backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None,
+                 foreach=None, fused=None, capturable=False, differentiable=False):
+        defaults = self.sgd_defaults(lr, momentum, dampening, weight_decay, nesterov, maximize, differentiable)
+        super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
+                         backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
+
+    def _update(self, seg, grads, group, partials, inv_scale, lr, max_norm) -> None:
+        self._step_op(seg, seg.params, grads, group, partials, inv_scale, lr, max_norm, self._backend_name(seg, grads))
