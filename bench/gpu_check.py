@@ -626,14 +626,8 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 def _git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "n/a"
-    return (sha + ("+dirty" if dirty else "")) if sha else "n/a"
+    from .env import git_sha  # imported here: the driver itself starts before anything is built
+    return git_sha()
 
 
 # -------------------------------------------------------------------------------------------------- cli

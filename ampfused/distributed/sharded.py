@@ -30,6 +30,7 @@ from ..ops.checks import same_layout
 from ..optim import _params as P
 from ..optim._base import FusedOptimizer, _append_flag, _on
 from ..optim._segment import LOW_PRECISION, _keep_or_rebuild, layout_of
+from ..optim._state import run_load_pre_hooks, state_dict_with_hooks
 from . import _comm as C
 from ._layout import Space, build_spaces
 from ._sharded_state import export_sharded, import_sharded
@@ -339,23 +340,15 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
         """The whole optimizer state in torch.optim's layout (as :class:`ampfused.FusedAdamW` saves it), gathered
         from every rank: a collective, to call on every rank. It loads into any world size, into the unsharded
         fused optimizers and into torch's."""
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        self._ensure_layout()
-        sd = export_sharded(self)
-        if self.spike_guard is not None:
-            sd["spike_guard"] = self.spike_guard.state_dict()
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            out = hook(self, sd)
-            sd = out if out is not None else sd
-        return sd
+        def export(opt):
+            opt._ensure_layout()
+            return export_sharded(opt)
+        return state_dict_with_hooks(self, export)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a whole state dict (from :meth:`state_dict` at any world size, an unsharded fused optimizer or
         torch's); each rank keeps its shard. Checked in full before anything changes; no communication."""
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            out = hook(self, state_dict)
-            state_dict = out if out is not None else state_dict
+        state_dict = run_load_pre_hooks(self, state_dict)
         self._ensure_layout()
         import_sharded(self, state_dict)
         self._forget()  # the next step compares every master piece with its parameter's values

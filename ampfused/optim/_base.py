@@ -40,7 +40,7 @@ from ..guard import SpikeGuard
 from ..ops.checks import same_layout
 from . import _params as P
 from ._segment import LOW_PRECISION, Segment, addresses, build_segment, layout_of, versions
-from ._state import export_state_dict, import_state_dict
+from ._state import export_state_dict, import_state_dict, run_load_pre_hooks, state_dict_with_hooks
 
 _is = operator.is_
 
@@ -653,21 +653,13 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # --- state dicts (torch.optim layout; see _state.py) ---------------------------------------------------
     def state_dict(self) -> dict:
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        self._follow_parameters()
-        sd = export_state_dict(self)
-        if self.spike_guard is not None:  # an extra key: torch's optimizers ignore it on load
-            sd["spike_guard"] = self.spike_guard.state_dict()
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            out = hook(self, sd)
-            sd = out if out is not None else sd
-        return sd
+        def export(opt):
+            opt._follow_parameters()
+            return export_state_dict(opt)
+        return state_dict_with_hooks(self, export)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            out = hook(self, state_dict)
-            state_dict = out if out is not None else state_dict
+        state_dict = run_load_pre_hooks(self, state_dict)
         self._follow_parameters()
         import_state_dict(self, state_dict)
         self._steps_at_load.copy_(self._steps_taken_now())

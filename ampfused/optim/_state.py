@@ -46,6 +46,28 @@ def export_state_dict(opt) -> dict:
     return {"state": state, "param_groups": groups}
 
 
+def state_dict_with_hooks(opt, export) -> dict:
+    """``opt.state_dict()``: torch's pre-hooks, ``export(opt)``, the spike guard's state (an extra key that
+    torch's optimizers ignore on load), torch's post-hooks."""
+    for hook in opt._optimizer_state_dict_pre_hooks.values():
+        hook(opt)
+    sd = export(opt)
+    if opt.spike_guard is not None:
+        sd["spike_guard"] = opt.spike_guard.state_dict()
+    for hook in opt._optimizer_state_dict_post_hooks.values():
+        out = hook(opt, sd)
+        sd = out if out is not None else sd
+    return sd
+
+
+def run_load_pre_hooks(opt, state_dict: dict) -> dict:
+    """torch's load-state-dict pre-hooks (each may hand back a new state dict)."""
+    for hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        out = hook(opt, state_dict)
+        state_dict = out if out is not None else state_dict
+    return state_dict
+
+
 def _saved_step(opt, saved: dict, where: str) -> float:
     try:
         return opt._import_step(saved)
