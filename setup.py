@@ -292,7 +292,9 @@ setup(
     # the test suite runs the benchmark end to end (table, CSV and plot), so it needs the bench extras too;
     # "integrations": the framework versions tests/integrations runs against, each of which accepts any
     # torch >= 2.4 (torch 2.13 included), so installing them never makes pip replace the installed torch
-    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib", "tqdm", "safetensors"],
+    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib", "tqdm", "safetensors",
+                             # the source-archive test builds the native modules without build isolation
+                             "pybind11>=2.10"],
                     "bench": ["matplotlib", "tqdm"],
                     "integrations": ["accelerate==1.15.0", "transformers==5.23.0", "lightning==2.6.6",
                                      "safetensors==0.8.0"]},

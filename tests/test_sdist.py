@@ -47,7 +47,7 @@ def _fresh_env(path) -> str:
     python = str(path / "bin" / "python")
     purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              check=True, capture_output=True, text=True).stdout.strip()
-    parents = [p for p in site.getsitepackages() if os.path.isdir(p)]
+    parents = [p for p in site.getsitepackages() + [site.getusersitepackages()] if os.path.isdir(p)]
     with open(os.path.join(purelib, "parent_env.pth"), "w") as f:
         f.write("\n".join(parents) + "\n")
     return python
