@@ -28,7 +28,7 @@ from .. import ops
 from ..guard import SpikeGuard
 from ..ops.checks import same_layout
 from ..optim import _params as P
-from ..optim._base import FusedOptimizer, _append_flag, _on
+from ..optim._base import FusedOptimizer, ParamState, _append_flag, _on
 from ..optim._segment import LOW_PRECISION, _keep_or_rebuild, layout_of
 from ..optim._state import run_load_pre_hooks, state_dict_with_hooks
 from . import _comm as C
@@ -276,10 +276,36 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
                     if g is not None:
                         seg.has_state[k] = True
             self._gather_params(s)
+        self._bind_state([p for s in spaces for p in s.params if p.grad is not None and p not in self.state])
         if guard is not None:
             guard.record_(norm, mean_loss, spike, overflow > 0)
         self._remember()
         return loss
+
+    def _bind_state(self, params) -> None:
+        """``state[p]`` for each of ``params``: this rank's piece of each of its state buffers (flat fp32 views,
+        empty where this rank owns none of ``p``). Every rank holds an entry for every parameter that has
+        state, so code that asks whether the optimizer has state (torch.distributed.checkpoint's
+        get_optimizer_state_dict does) gets the same answer on every rank. The whole state: :meth:`state_dict`."""
+        where = {}
+        for s in self._spaces or ():
+            for seg in s.segments:
+                for k, j in enumerate(seg.index):
+                    where[id(s.params[j])] = (seg, k)
+        for p in params:
+            seg_k = where.get(id(p))
+            if seg_k is None:
+                values = {name: torch.empty(0, dtype=torch.float32, device=self._device) for name in self.state_names}
+                if self._use_master(p.dtype):
+                    values["master_param"] = torch.empty(0, dtype=torch.float32, device=self._device)
+            else:
+                seg, k = seg_k
+                values = {name: seg.piece(flat, k) for name, flat in seg.states.items()}
+                if seg.master is not None:
+                    values["master_param"] = seg.piece(seg.master, k)
+            st = ParamState()
+            st._bind(values)
+            dict.__setitem__(self.state, p, st)
 
     def _gather_params(self, s: Space) -> None:
         """Every rank's updated pieces into every rank's parameters (one all-gather per dtype)."""
@@ -351,6 +377,9 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
         state_dict = run_load_pre_hooks(self, state_dict)
         self._ensure_layout()
         import_sharded(self, state_dict)
+        self.state.clear()
+        self._bind_state([p for g, saved in zip(self.param_groups, state_dict["param_groups"])
+                          for sid, p in zip(saved["params"], g["params"]) if state_dict["state"].get(sid)])
         self._forget()  # the next step compares every master piece with its parameter's values
         if self.spike_guard is not None:
             self.spike_guard.load_state_dict(state_dict.get("spike_guard", {}), self._device)

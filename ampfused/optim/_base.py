@@ -39,7 +39,7 @@ from .. import ops
 from ..guard import SpikeGuard
 from ..ops.checks import same_layout
 from . import _params as P
-from ._segment import LOW_PRECISION, Segment, addresses, build_segment, layout_of, versions
+from ._segment import LOW_PRECISION, Segment, addresses, build_segment, is_dtensor, layout_of, local, versions
 from ._state import export_state_dict, import_state_dict, run_load_pre_hooks, state_dict_with_hooks
 
 _is = operator.is_
@@ -68,6 +68,32 @@ def _on_parameter_registered(module: torch.nn.Module, name: str, param) -> None:
 torch.nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registered)
 
 
+def _shard_groups(params) -> tuple:
+    """For FSDP2 parameters (DTensors), the process groups of the mesh dimensions they are sharded over (the
+    norm's partial sums are summed over these; replicated dimensions hold the same values and are not);
+    ``()`` for plain parameters. ``params``: ``(group index, index, parameter)`` of every parameter."""
+    dts = [(gi, k, p) for gi, k, p in params if is_dtensor(p)]
+    if not dts:
+        return ()
+    name = lambda gi, k, p: f"param_groups[{gi}]['params'][{k}] (shape {tuple(p.shape)})"
+    if len(dts) != len(params):
+        plain = next(e for e in params if not is_dtensor(e[2]))
+        raise ValueError(f"{name(*plain)} is a plain tensor but {name(*dts[0])} is a DTensor: a fused optimizer's "
+                         "parameters must all be sharded (fully_shard the root module too) or none of them")
+    gi0, k0, p0 = dts[0]
+    mesh, placements = p0.device_mesh, tuple(p0.placements)
+    for gi, k, p in dts[1:]:
+        if p.device_mesh != mesh or tuple(p.placements) != placements:
+            raise ValueError(f"{name(gi, k, p)} is placed {tuple(p.placements)} on {p.device_mesh} but "
+                             f"{name(gi0, k0, p0)} is placed {placements} on {mesh}: a fused optimizer needs one "
+                             "mesh and one placement for all its DTensor parameters (the global norm is summed "
+                             "over the sharded dimensions)")
+    if any(not (pl.is_shard() or pl.is_replicate()) for pl in placements):
+        raise ValueError(f"{name(gi0, k0, p0)} is placed {placements}: fused optimizers take sharded or replicated "
+                         "DTensor parameters (FSDP2), not partial ones")
+    return tuple(mesh.get_group(d) for d, pl in enumerate(placements) if pl.is_shard())
+
+
 def _append_flag(partials: Tensor, flag: Tensor) -> Tensor:
     """Partials with one more column ``[0, flag]``: a flag > 0 makes the update skip."""
     return torch.cat([partials, torch.stack([torch.zeros_like(flag), flag])[:, None]], 1)
@@ -85,6 +111,7 @@ class ParamState(dict):
     def __setitem__(self, key, value):
         mine = self.get(key)
         if isinstance(mine, Tensor) and isinstance(value, Tensor) and value is not mine:
+            mine, value = local(mine), local(value)  # a sharded parameter's state: this rank's shard
             if value.numel() != mine.numel():
                 raise ValueError(f"optimizer state '{key}' must keep {mine.numel()} elements, got a tensor of shape "
                                  f"{tuple(value.shape)}")
@@ -169,6 +196,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._pending_clip: Optional[float] = None
         self._nonfinite: List[Tensor] = []
         self._calls = 0  # step() calls that had gradients, since construction or load
+        self._shard_groups: tuple = ()  # FSDP2: the process groups the gradients' norm and flags are summed over
 
     def _make_device_tensors(self, device: torch.device, old: Optional[dict] = None) -> None:
         """The small per-optimizer device tensors, on the parameters' device (moved along when it changes)."""
@@ -248,10 +276,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         for seg in self._segments:
             if seg.group_index in repack:
                 continue
-            ptrs, vers = addresses(seg.params), versions(seg.params)
+            tensors = seg.tensors()
+            ptrs, vers = addresses(tensors), versions(tensors)
             if ptrs == seg.ptrs and vers == seg.vers:
                 continue
-            for i, p in enumerate(seg.params):
+            for i, p in enumerate(tensors):
                 if ptrs[i] == seg.ptrs[i] and vers[i] == seg.vers[i]:
                     continue
                 if ptrs[i] != seg.ptrs[i] and layout_of(p) != seg.layouts[i]:
@@ -333,6 +362,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                               for d, (gi, k, p) in devices.items())
             raise ValueError(f"a fused optimizer's parameters must all be on one device, but {where}. Move the whole "
                              "model (or every parameter given to this optimizer) to one device.")
+        shard_groups = _shard_groups(everything)
         segments: List[Segment] = []
         for gi, group in enumerate(self.param_groups):
             if gi not in groups_to_pack:
@@ -354,6 +384,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if id(p) not in kept:
                     self.state.pop(p, None)
         self._segments = segments
+        self._shard_groups = shard_groups
         self._partials_cache = None
         if devices:
             device = next(iter(devices))
@@ -371,9 +402,9 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _bind_one(self, seg: Segment, i: int) -> None:
         p = seg.params[i]
-        values = {name: seg.view(flat, i) for name, flat in seg.states.items()}
+        values = {name: seg.state_view(flat, i) for name, flat in seg.states.items()}
         if seg.master is not None:
-            values["master_param"] = seg.view(seg.master, i)
+            values["master_param"] = seg.state_view(seg.master, i)
         values["step"] = seg.steps[i]
         st = dict.get(self.state, p)
         if not isinstance(st, ParamState):
@@ -403,21 +434,38 @@ class FusedOptimizer(torch.optim.Optimizer):
         batch = _Batch()
         dtypes = set()
         for seg in self._segments:
-            grads = [p.grad for p in seg.params]
+            if seg.sharded:
+                grads = [self._local_grad(seg, i, p.grad) for i, p in enumerate(seg.params)]
+                tensors = seg.tensors()
+            else:
+                grads = [p.grad for p in seg.params]
+                tensors = seg.params
             dtype, where, contiguous = seg.dtype, seg.device_index, seg.contiguous
             for i, g in enumerate(grads):
                 if g is None:
                     continue
                 if g.dtype is not dtype or g.layout is not torch.strided or g.get_device() != where:
                     self._refuse_grad(seg, i, g)
-                if not (g.is_contiguous() if contiguous[i] else same_layout(seg.params[i], g)):
+                if not (g.is_contiguous() if contiguous[i] else same_layout(tensors[i], g)):
                     # laid out unlike its parameter (assigned by hand): read a copy in the parameter's layout
-                    grads[i] = torch.empty_like(seg.params[i]).copy_(g)
+                    grads[i] = torch.empty_like(tensors[i]).copy_(g)
                 batch.active.append(grads[i])
                 dtypes.add(dtype)
             batch.per_segment.append(grads)
         batch.dtypes = tuple(sorted(str(d) for d in dtypes))
         return batch
+
+    def _local_grad(self, seg: Segment, i: int, g: Optional[Tensor]) -> Optional[Tensor]:
+        """A sharded parameter's gradient as the kernels read it: this rank's shard, placed like the parameter."""
+        if g is None:
+            return None
+        p = seg.params[i]
+        if not is_dtensor(g) or g.placements != p.placements or g.device_mesh != p.device_mesh:
+            where = f"{g.placements} on {g.device_mesh}" if is_dtensor(g) else "a plain tensor"
+            raise RuntimeError(f"parameter {self._grad_name(seg, i)} is a DTensor placed {p.placements} on "
+                               f"{p.device_mesh} but its gradient is {where}: the step reads the gradient's local "
+                               "shard where the parameter's is")
+        return g._local_tensor
 
     def _refuse_grad(self, seg: Segment, i: int, g: Tensor) -> None:
         if g.layout is not torch.strided:
@@ -486,10 +534,22 @@ class FusedOptimizer(torch.optim.Optimizer):
             else:
                 inv_scale = self._one
             inv_scale = self._divide(inv_scale, grad_divisor)
-            partials = ops.call_k1("norm_check", batch.active, inv_scale, batch.dtypes, self.backend)
+            partials = self._k1("norm_check", batch, inv_scale)
         if found_inf is not None:  # e.g. all-reduced across ranks by the training script
             partials = _append_flag(partials, found_inf.float())
         return partials, inv_scale
+
+    def _k1(self, op: str, batch: _Batch, inv_scale: Tensor) -> Tensor:
+        """K1 over the step's gradients: the partials K2 reads. With FSDP2 the local shards' sums of squares
+        and non-finite flags are summed over the shards' process groups (on the device, no host read), so
+        every rank clips by the global norm and skips on an overflow anywhere."""
+        partials = ops.call_k1(op, batch.active, inv_scale, batch.dtypes, self.backend)
+        if not self._shard_groups:
+            return partials
+        summed = torch.stack([partials[0].sum(), partials[1].sum()])
+        for group in self._shard_groups:
+            torch.distributed.all_reduce(summed, op=torch.distributed.ReduceOp.SUM, group=group)
+        return summed.reshape(2, 1)
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_divisor=None, loss: Optional[Tensor] = None):
@@ -533,7 +593,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             lr = self._lr_tensor(seg)
             self._update(seg, grads, group, partials, inv_scale, lr if lr_mult is None else lr * lr_mult, max_norm)
             if not torch.compiler.is_compiling():
-                seg.vers = versions(seg.params)
+                seg.vers = versions(seg.tensors())
             for i, g in enumerate(grads):
                 if g is not None and not seg.has_state[i]:
                     seg.has_state[i] = True
@@ -548,7 +608,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _backend_name(self, seg: Segment, grads: List[Optional[Tensor]]) -> str:
-        return ops.step_backend(seg.device, ops._step_dtypes(seg.params, grads, seg.master), self.backend)
+        return ops.step_backend(seg.device, ops._step_dtypes(seg.tensors(), grads, seg.master), self.backend)
 
     @property
     def last_grad_norm(self) -> Tensor:
@@ -625,7 +685,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not batch.active:
             self._partials_cache = None
             return self._one * 0
-        partials = ops.call_k1("unscale_", batch.active, inv_scale, batch.dtypes, self.backend)
+        partials = self._k1("unscale_", batch, inv_scale)
         self._partials_cache = (batch.keys(), partials)
         return ops.reduce_partials(partials)[1]
 
@@ -641,7 +701,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             return None
         cache = self._partials_cache
         if cache is None or not self._same_grads(cache[0], batch):
-            cache = (batch.keys(), ops.call_k1("norm_check", batch.active, self._one, batch.dtypes, self.backend))
+            cache = (batch.keys(), self._k1("norm_check", batch, self._one))
             self._partials_cache = cache
         norm = ops.reduce_partials(cache[1])[0]
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
@@ -686,6 +746,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_replaced"] = None  # weak references do not pickle; pending swaps are taken at the next step
+        state["_shard_groups"] = ()  # process groups do not pickle; found again from the parameters
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -702,6 +763,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         else:
             self.__dict__.update(state)
             self._replaced = WeakIdKeyDictionary()
+            self._shard_groups = _shard_groups([(0, k, p) for k, p in enumerate(
+                p for seg in self._segments for p in seg.params)])
         super().__setstate__(dict(self.__dict__))
         owner = weakref.ref(self)
         for g in self.param_groups:

@@ -10,6 +10,10 @@ parameter's strides is its state as ``torch.optim`` shapes it (``channels_last``
 What the segment remembers of each parameter (address, version counter, dtype, device, shape, strides) is
 what the optimizer compares on the host before every step to follow changes made outside it; see
 ``FusedOptimizer._follow_parameters``.
+
+Parameters sharded by FSDP2 (``fully_shard``) are DTensors: a segment of them keeps this rank's shards' state,
+reads and writes the local shards (:func:`local`), and hands out its states as DTensors placed like their
+parameters (:meth:`Segment.state_view`), so ``torch.distributed.checkpoint`` saves and reshards them.
 """
 from __future__ import annotations
 
@@ -20,8 +24,22 @@ from torch import Tensor
 
 from ..ops import state_layout
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed support
+    DTensor = None
+
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 _data_ptr = Tensor.data_ptr
+
+
+def is_dtensor(t) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: Optional[Tensor]) -> Optional[Tensor]:
+    """The tensor that holds ``t``'s values on this rank: a DTensor's local shard, else ``t`` itself."""
+    return t._local_tensor if is_dtensor(t) else t
 
 
 def layout_of(p: Tensor) -> tuple:
@@ -43,11 +61,13 @@ class Segment:
     def __init__(self, group_index: int, params: List[Tensor], use_master: bool, state_names: tuple):
         self.group_index = group_index
         self.params = list(params)
-        p0 = self.params[0]
+        self.sharded = is_dtensor(self.params[0])  # FSDP2: all of an optimizer's parameters are DTensors or none
+        tensors = self.tensors()
+        p0 = tensors[0]
         self.dtype, self.device = p0.dtype, p0.device
-        self.offsets, self.total = state_layout([p.numel() for p in self.params])
-        self.layouts = [layout_of(p) for p in self.params]
-        self.contiguous = [p.is_contiguous() for p in self.params]
+        self.offsets, self.total = state_layout([p.numel() for p in tensors])
+        self.layouts = [layout_of(p) for p in tensors]
+        self.contiguous = [p.is_contiguous() for p in tensors]
         self.device_index = p0.get_device()  # what Tensor.get_device() says for tensors on this device
         f32 = dict(dtype=torch.float32, device=self.device)
         self.master: Optional[Tensor] = torch.zeros(self.total, **f32) if use_master else None  # gaps stay 0
@@ -62,17 +82,30 @@ class Segment:
     def __len__(self) -> int:
         return len(self.params)
 
+    def tensors(self) -> List[Tensor]:
+        """What the kernels read and write: the parameters, or for DTensors their local shards now."""
+        return [p._local_tensor for p in self.params] if self.sharded else self.params
+
     def view(self, flat: Tensor, i: int) -> Tensor:
-        """Parameter ``i``'s slice of a flat buffer, with the parameter's shape and strides."""
+        """Parameter ``i``'s slice of a flat buffer, with the (local) parameter's shape and strides."""
         _, _, shape, stride = self.layouts[i]
         return flat.as_strided(shape, stride, self.offsets[i])  # flat buffers are whole allocations
+
+    def state_view(self, flat: Tensor, i: int) -> Tensor:
+        """:meth:`view`, as a DTensor placed like parameter ``i`` when that is one."""
+        v = self.view(flat, i)
+        if not self.sharded:
+            return v
+        p = self.params[i]
+        return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
     def remember(self) -> None:
         """Record the parameters' addresses and version counters as the segment's own view of them."""
         if torch.compiler.is_compiling():
             return self.forget()  # not traceable: the next eager step compares every parameter instead
-        self.ptrs = addresses(self.params)
-        self.vers = versions(self.params)
+        tensors = self.tensors()
+        self.ptrs = addresses(tensors)
+        self.vers = versions(tensors)
 
     def forget(self) -> None:
         """Make the next check treat every parameter as changed (after a load: values are compared then)."""
@@ -86,7 +119,7 @@ class Segment:
         on the device: no host read."""
         if self.master is None:
             return
-        p = self.params[i]
+        p = local(self.params[i])
         m = self.view(self.master, i)
         m.copy_(_keep_or_rebuild(m, p))
 
@@ -108,8 +141,8 @@ def build_segment(group_index: int, params: List[Tensor], use_master: bool, stat
     memory layout; its master is kept where it still rounds to the parameter's values, else rebuilt from
     them (a master of a parameter that had none is built from its values)."""
     seg = Segment(group_index, params, use_master, state_names)
-    for i, p in enumerate(seg.params):
-        old = previous.get(id(p))
+    for i, (param, p) in enumerate(zip(seg.params, seg.tensors())):
+        old = previous.get(id(param))
         if old is None:
             if seg.master is not None:
                 seg.view(seg.master, i).copy_(p)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from . import _params as P
+from ._segment import is_dtensor, local
 
 
 def _packed_groups(opt) -> tuple:
@@ -39,9 +40,9 @@ def export_state_dict(opt) -> dict:
         steps = seg.steps.tolist()  # one read per segment, at checkpoint time only
         for i, p in enumerate(seg.params):
             if seg.has_state[i]:
-                st = {name: seg.view(flat, i) for name, flat in seg.states.items()}
+                st = {name: seg.state_view(flat, i) for name, flat in seg.states.items()}
                 if seg.master is not None:
-                    st["master_param"] = seg.view(seg.master, i)
+                    st["master_param"] = seg.state_view(seg.master, i)
                 state[index[id(p)]] = opt._export_param_state(st, steps[i])
     return {"state": state, "param_groups": groups}
 
@@ -78,6 +79,17 @@ def _saved_step(opt, saved: dict, where: str) -> float:
 def _check_value(key: str, v, p: Tensor, where: str) -> None:
     if not isinstance(v, Tensor):
         raise ValueError(f"loaded state '{key}' of {where} must be a tensor, got {type(v).__name__}")
+    if is_dtensor(p):
+        if not is_dtensor(v) or v.placements != p.placements or v.device_mesh != p.device_mesh:
+            found = f"placed {v.placements} on {v.device_mesh}" if is_dtensor(v) else "a plain tensor"
+            raise ValueError(f"loaded state '{key}' of {where} is {found}, but the parameter is a DTensor placed "
+                             f"{p.placements} on {p.device_mesh}: load sharded optimizer state with "
+                             "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict (or give DTensors "
+                             "placed like the parameters)")
+        if tuple(v.shape) != tuple(p.shape):
+            raise ValueError(f"loaded state '{key}' of {where} must have the parameter's shape {tuple(p.shape)}, got "
+                             f"{tuple(v.shape)}")
+        v, p = v._local_tensor, p._local_tensor
     if v.numel() != p.numel():
         raise ValueError(f"loaded state '{key}' of {where} must have {p.numel()} elements like the parameter "
                          f"(shape {tuple(p.shape)}), got shape {tuple(v.shape)}")
@@ -140,14 +152,14 @@ def import_state_dict(opt, state_dict: dict) -> None:
             states = {name: torch.zeros_like(flat) for name, flat in seg.states.items()}
             master = torch.zeros_like(seg.master) if seg.master is not None else None
             steps = [0.0] * len(seg.params)
-            for i, (p, entry) in enumerate(zip(seg.params, entries)):
+            for i, (p, entry) in enumerate(zip(seg.tensors(), entries)):
                 if entry is not None:
                     e, keys, steps[i] = entry
                     for key in keys:
-                        seg.view(states[key], i).copy_(e[key].reshape(p.shape))
+                        seg.view(states[key], i).copy_(local(e[key]).reshape(p.shape))
                 if master is not None:
                     src = entry[0].get("master_param") if entry is not None else None
-                    seg.view(master, i).copy_(src.reshape(p.shape) if src is not None else p.detach())
+                    seg.view(master, i).copy_(local(src).reshape(p.shape) if src is not None else p.detach())
             built.append((seg, states, master, torch.tensor(steps, dtype=torch.float32).to(seg.device),
                           [entry is not None for entry in entries]))
     for seg, states, master, steps, has_state in built:

@@ -66,4 +66,4 @@ class FusedSGD(SgdMath, FusedOptimizer):
                          backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
 
     def _update(self, seg, grads, group, partials, inv_scale, lr, max_norm) -> None:
-        self._step_op(seg, seg.params, grads, group, partials, inv_scale, lr, max_norm, self._backend_name(seg, grads))
+        self._step_op(seg, seg.tensors(), grads, group, partials, inv_scale, lr, max_norm, self._backend_name(seg, grads))

@@ -1,7 +1,7 @@
 """Running a function on several gloo processes on this machine, with a deadline.
 
-``run_ranks(fn, world, *args)`` spawns ``world`` processes that join one gloo process group on a free port of
-127.0.0.1 and call ``fn(rank, world, *args)``. An exception in any rank fails the call with that rank's
+``run_ranks(fn, world, *args)`` spawns ``world`` processes that join one gloo process group (``backend="nccl"``:
+one GPU per rank) on a free port of 127.0.0.1 and call ``fn(rank, world, *args)``. An exception in any rank fails the call with that rank's
 traceback; a run still going at the deadline is killed and fails (a hang must not block the suite).
 Workers hand results back by saving them under a directory the test gives them (``save`` / ``load``).
 """
@@ -23,9 +23,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, fn, world, port, args):
+def _entry(rank, fn, world, port, args, backend):
     torch.set_num_threads(1)  # several ranks share this machine's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # one GPU per rank
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=TIMEOUT_S))
     try:
         torch.manual_seed(0)
@@ -38,11 +40,11 @@ def _entry(rank, fn, world, port, args):
 _PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "ampfused", "ampfused.distributed"]
 
 
-def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT_S) -> None:
+def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT_S, backend: str = "gloo") -> None:
     # A fork server imports torch and ampfused once per session and forks every rank from that clean process
     # (no threads started yet): a rank starts in milliseconds instead of importing torch again.
     mp.set_forkserver_preload(_PRELOAD + [fn.__module__])
-    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, join=False,
+    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), args, backend), nprocs=world, join=False,
                              start_method="forkserver")
     deadline = time.monotonic() + timeout
     try:

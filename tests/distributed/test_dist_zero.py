@@ -104,6 +104,15 @@ def test_sharded_adamw_clips_with_the_global_norm(tmp_path):
         for i in range(2):
             assert_bitwise(f"rank {r} param[{i}]", ranks[r]["params"][i], ranks[0]["params"][i])
         _assert_state_equal(ranks[r]["state"], ranks[0]["state"], f"rank {r}")
+    recipes = clip_oracle(world, max_norm)
+    state = ranks[0]["state"]["state"]
+    for i in range(2):
+        assert_close_to_oracle(f"master[{i}]", state[i]["master_param"], recipes[0].masters[i], recipes[1].masters[i])
+
+
+def clip_oracle(world, max_norm):
+    """torch's master-weight recipe in fp32 and fp64 over the clean steps of ``_data(world)`` with clipping:
+    the oracle pair that the masters of a clipped run are held to."""
     model = D.linear_model()
     x, c = _data(world)
     hyper = dict(ADAM, weight_decay=0.1)
@@ -119,9 +128,7 @@ def test_sharded_adamw_clips_with_the_global_norm(tmp_path):
             with torch.no_grad():
                 rec.masters[0].mul_(1 - hyper["lr"] * 0.1)
             rec.step(grads)
-    state = ranks[0]["state"]["state"]
-    for i in range(2):
-        assert_close_to_oracle(f"master[{i}]", state[i]["master_param"], recipes[0].masters[i], recipes[1].masters[i])
+    return recipes
 
 
 def _memory_worker(rank, world, out):
