@@ -40,7 +40,10 @@ def _epilog() -> str:
                      "per measurement")
         lines.append(f"  {' ' * len(kind)}  --full: {','.join(full['workloads'])} | {','.join(full['grad_dtypes'])} "
                      f"| clip {onoff(full['clip'])}")
-    lines += ["  --distributed: ampfused-zero1 against torch-ddp on 2 processes (gloo on CPU, NCCL, a GPU per rank)",
+    from .distributed import DEFAULTS as DIST
+    lines += ["  --distributed: ampfused-zero1 against torch-ddp on --world processes (gloo on CPU; NCCL, a GPU per "
+              "rank)", "   " + " | ".join(f"{k}: warmup {d['warmup']}, reps {d['reps']}, {d['max_seconds']:g} s"
+                                          for k, d in DIST.items()),
               "examples:",
               "  python -m bench                       # the default run for this machine",
               "  python -m bench --full                # the whole sweep",
