@@ -40,9 +40,14 @@ def _epilog() -> str:
                      "per measurement")
         lines.append(f"  {' ' * len(kind)}  --full: {','.join(full['workloads'])} | {','.join(full['grad_dtypes'])} "
                      f"| clip {onoff(full['clip'])}")
-    lines += ["examples:",
+    from .distributed import DEFAULTS as DIST
+    lines += ["  --distributed: ampfused-zero1 against torch-ddp on --world processes (gloo on CPU; NCCL, a GPU per "
+              "rank)", "   " + " | ".join(f"{k}: warmup {d['warmup']}, reps {d['reps']}, {d['max_seconds']:g} s"
+                                          for k, d in DIST.items()),
+              "examples:",
               "  python -m bench                       # the default run for this machine",
               "  python -m bench --full                # the whole sweep",
+              "  python -m bench --distributed         # ZeRO-1 against DDP + torch's AdamW, step time and memory",
               "  python -m bench --workloads 16Mx32 --variants torch-fused,ampfused-cpu --compare OLD.csv",
               "  python -m bench.plot bench/results/<device>.csv",
               "  python -m bench.compare OLD.csv NEW.csv"]
@@ -91,6 +96,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-going", action="store_true",
                    help="after a correctness failure, measure the rest (still exits non-zero)")
     p.add_argument("--no-plot", action="store_true")
+    d = p.add_argument_group("distributed workload (bench/distributed.py)")
+    d.add_argument("--distributed", action="store_true",
+                   help="instead of the single-process sweep: ampfused.ShardedFusedAdamW (ZeRO-1) against DDP + "
+                        "clip_grad_norm_ + AdamW(fused=True) on fp32 masters, on --world processes; writes "
+                        "<out>/dist-<device>.csv and .md (--warmup, --reps, --max-seconds, --threads per rank, "
+                        "--out, --name apply)")
+    d.add_argument("--world", type=int, default=2, help="processes (ranks), a power of two (default 2)")
+    d.add_argument("--dist-width", type=int, default=384,
+                   help="model width d: blocks of LayerNorm(d), Linear(d, 4d), GELU, Linear(4d, d) (default 384)")
+    d.add_argument("--dist-blocks", type=int, default=4, help="blocks (default 4: 4.7M parameters at d=384)")
+    d.add_argument("--dist-batch", type=int, default=16, help="rows per rank and step (default 16)")
+    d.add_argument("--dist-timeout", type=float, default=600.0,
+                   help="seconds the whole distributed run may take before its processes are killed (default 600)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -117,11 +135,20 @@ def _loadavg() -> str:
         return "n/a"
 
 
+_SWEEP_ONLY = ("workloads", "full", "dtypes", "clip", "no_scaler", "variants", "compare", "copy_mb", "compile_budget")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
+    if args.distributed:
+        given = [f"--{k.replace('_', '-')}" for k in _SWEEP_ONLY if getattr(args, k) not in (None, False)]
+        if given:
+            raise SystemExit(f"{', '.join(given)}: options of the single-process sweep, not of --distributed")
+        from . import distributed
+        return distributed.main(args, device)
     if args.threads:
         torch.set_num_threads(args.threads)
     d = PER_DEVICE["cuda" if device.type == "cuda" else "cpu"]
