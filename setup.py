@@ -1,11 +1,15 @@
-"""Build of ampfused: the Python package plus two torch-free native modules.
+"""Build of ampfused: the Python package plus two torch-free native modules and one built against torch.
 
 * ``ampfused._C``: the CPU backend (C++17, OpenMP). On x86-64 the kernels are compiled three times
   (baseline, AVX2, AVX-512) and the module picks one at run time, so a wheel built here runs anywhere.
 * ``ampfused._C_cuda``: the CUDA backend, built when nvcc is found; cudart is linked statically, so the
   module imports on a machine without a GPU or driver and its calls then report why they cannot run.
+* ``ampfused._host``: the fused optimizers' per-step pass over their parameters (addresses, version counters,
+  gradients) in C++. It reads torch tensors, so it is built against the torch that is installed (build with
+  ``pip install --no-build-isolation``, as for any torch extension) and loads only with that torch; without
+  it the optimizers do the same work in Python.
 
-Neither module needs torch headers: they take raw addresses, sizes, dtype codes and a stream handle.
+The kernel modules need no torch headers: they take raw addresses, sizes, dtype codes and a stream handle.
 Objects are compiled by ninja when it is present (parallel and incremental), else by a thread pool.
 
 Build switches (environment, read once here):
@@ -173,7 +177,8 @@ class NativeBuild(build_ext):
         """One line per native module: built, or skipped and why (pip shows it with -v; `python -m ampfused.info`
         tells the same after the install)."""
         lines = []
-        for name, why in [("ampfused._C", SKIPPED.get("cpu")), ("ampfused._C_cuda", SKIPPED.get("cuda"))]:
+        for name, why in [("ampfused._C", SKIPPED.get("cpu")), ("ampfused._C_cuda", SKIPPED.get("cuda")),
+                          ("ampfused._host", SKIPPED.get("host"))]:
             lines.append(f"ampfused: {name}: " + ("built" if name in built else f"skipped ({why or 'not requested'})"))
         print("\n".join(lines), file=sys.stderr, flush=True)
 
@@ -222,6 +227,27 @@ def accepts_flag(cxx, flag) -> bool:
 SKIPPED = {}  # module kind -> why it is not built
 
 
+def host_extension(cxx, identity):
+    """``ampfused._host``, built against the torch importable now (None, with the reason kept, without one)."""
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as e:
+        SKIPPED["host"] = (f"torch is not importable at build time ({e}); install with --no-build-isolation to build "
+                           "it against the installed torch")
+        return None
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    std = "-std=c++20" if accepts_flag(cxx, "-std=c++20") else "-std=c++17"
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
+    flags = [std, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_API_INCLUDE_EXTENSION_H", "-w"] + \
+        [f"-I{p}" for p in cpp_extension.include_paths()]
+    link = [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+    if sys.platform == "darwin":
+        link += ["-undefined", "dynamic_lookup"]
+    return NativeExtension("ampfused._host", ["csrc/host/host.cpp"], cxx_flags=flags, link_flags=link,
+                           per_source={"host.cpp": identity + [f'-DAMPFUSED_TORCH_VERSION="{torch.__version__}"']})
+
+
 def native_extensions():
     if SKIP_NATIVE:
         SKIPPED.update(cpu="AMPFUSED_SKIP_NATIVE_BUILD=1", cuda="AMPFUSED_SKIP_NATIVE_BUILD=1")
@@ -245,6 +271,9 @@ def native_extensions():
     link = omp + (["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else [])
     exts = [NativeExtension("ampfused._C", cpu_sources, cxx_flags=flags + omp, per_source=per_source,
                             link_flags=link, defines=isa_defines)]
+    host = host_extension(cxx, identity)
+    if host is not None:
+        exts.append(host)
     nvcc, cuda_root = (None, None) if SKIP_CUDA else find_nvcc()
     if nvcc and cuda_root:
         archs, gencode = gencode_flags(nvcc)

@@ -1,8 +1,9 @@
-"""Loader of the compiled modules (``ampfused._C`` for CPU, ``ampfused._C_cuda`` for CUDA) and the checks
-that run in Python before any of their kernels.
+"""Loader of the compiled modules (``ampfused._C`` for CPU, ``ampfused._C_cuda`` for CUDA, ``ampfused._host``
+for the optimizers' host pass) and the checks that run in Python before any of their kernels.
 
-The modules are torch-free: they take addresses, sizes and dtype codes. Everything that could make a
+The kernel modules are torch-free: they take addresses, sizes and dtype codes. Everything that could make a
 kernel read or write the wrong memory is therefore checked here, and each failed rule names the tensor.
+``ampfused._host`` is built against torch and loads only with the torch it was built for.
 A module that is missing, or was built from other sources than this checkout's ``csrc/``, is reported
 with what it was built for and how to rebuild; it never breaks ``import ampfused``.
 """
@@ -20,7 +21,7 @@ from torch import Tensor
 from . import __version__
 
 REBUILD = "rebuild with `pip install -e .` from the ampfused checkout"
-MODULES = {"cpu": "ampfused._C", "cuda": "ampfused._C_cuda"}
+MODULES = {"cpu": "ampfused._C", "cuda": "ampfused._C_cuda", "host": "ampfused._host"}
 DTYPE_CODES: Dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 SCALAR_CODES: Dict[torch.dtype, int] = {torch.float32: 0, torch.float64: 3}
 NATIVE_DTYPES = tuple(DTYPE_CODES)
@@ -65,7 +66,8 @@ def _load(kind: str):
         here = os.path.dirname(os.path.abspath(__file__))
         others = [os.path.basename(p) for p in glob.glob(os.path.join(here, name.split(".")[-1] + ".*"))]
         found = f"; found {others}, built for another Python or platform" if others else ""
-        what = "the CPU backend" if kind == "cpu" else "the CUDA backend (needs nvcc at build time)"
+        what = {"cpu": "the CPU backend", "cuda": "the CUDA backend (needs nvcc at build time)",
+                "host": "the optimizers' host pass (needs torch at build time: pip install --no-build-isolation)"}[kind]
         raise ImportError(f"{name} ({what}) is not built ({e}){found}; {REBUILD}") from None
     info = dict(mod.build_info())
     if info.get("version") != __version__:
@@ -75,6 +77,9 @@ def _load(kind: str):
     if want is not None and info.get("sources_hash") != want:
         raise ImportError(f"{name} is stale: built from csrc/ sources {info.get('sources_hash')} "
                           f"({_describe(info)}), but the checkout's csrc/ is {want}; {REBUILD}")
+    if kind == "host" and info.get("torch") != torch.__version__:
+        raise ImportError(f"{name} was built against torch {info.get('torch')} but this is torch {torch.__version__}; "
+                          f"{REBUILD}")
     if kind == "cpu" and os.environ.get("AMPFUSED_CPU_ISA"):
         mod.set_isa(os.environ["AMPFUSED_CPU_ISA"])
     return mod

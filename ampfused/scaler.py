@@ -428,9 +428,11 @@ class GradScaler(torch.amp.GradScaler):
         skipped = self._counters.get("skipped", scale.device)
         if type(policy) is DynamicPolicy and policy.min_scale is None and policy.max_scale is None:
             # torch's rule, the next unscale's 1/scale and the overflow count in one kernel
-            ops.update_scale_(scale, tracker, found_inf, self._growth_factor, self._backoff_factor,
-                              self._growth_interval, inv_scale=self._inv_buffer(scale), skipped=skipped,
-                              backend=self._backend)
+            # the scaler's own tensors (checked when made or loaded) and found_inf formed above as a 0-d fp32
+            # tensor on the scale's device: the op without its per-call checks (each backend keeps its own)
+            found_inf = found_inf if found_inf.dim() == 0 else found_inf.reshape(())
+            ops.call_update_scale_(scale, tracker, found_inf, self._growth_factor, self._backoff_factor,
+                                   self._growth_interval, self._inv_buffer(scale), skipped, self._backend)
             self._inv_of = _identity(scale)
             at_min = None
         else:

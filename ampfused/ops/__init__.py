@@ -194,6 +194,15 @@ def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optio
           float(max_norm), bool(maximize), name)
 
 
+def call_update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
+                       backoff_factor: float, growth_interval: int, inv_scale: Optional[Tensor],
+                       skipped: Optional[Tensor], backend: Optional[str] = None) -> None:
+    """:func:`update_scale_` for a caller whose tensors passed its checks once and stay its own (ampfused's
+    GradScaler): the same op, without re-checking them every iteration."""
+    _call("update_scale_", scale, scale, growth_tracker, found_inf, float(growth_factor), float(backoff_factor),
+          int(growth_interval), inv_scale, skipped, _pick(scale.device, (), backend))
+
+
 def call_k1(op: str, grads: List[Tensor], inv_scale: Tensor, dtypes: tuple, backend: Optional[str] = None) -> Tensor:
     """``norm_check`` / ``unscale_`` (``op``) for callers that checked the gradients themselves (the fused
     optimizers do, once per step); ``dtypes`` are the gradients' dtype names, as ``str(dtype)``."""

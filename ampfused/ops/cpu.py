@@ -148,5 +148,41 @@ class CpuBackend(Backend):
             raise TypeError(f"the {self.name} backend takes no options, got {sorted(options)}")
         self._mod().sgd_step(*args, *self._device_args(steps.device))
 
+    # ---- the fused optimizers' own tables ---------------------------------------------------------
+    # The optimizers' segments keep their tensor tables in host int64 buffers written by ampfused._host (each
+    # parameter checked there: plain, where the optimizer left it, its gradient of its dtype, device and
+    # layout) and state buffers they built themselves: these entries pass the tables' addresses and skip the
+    # per-tensor checks and table building of the ops above. Results are the same bits.
+    takes_tables = True
+
+    def norm_check_tables(self, segments, chunks: int, inv_scale: Tensor) -> Tensor:
+        """K1 (``norm_check``) over the gradients of ``segments`` (``(table address, rows, grad dtype)`` each),
+        in table order, as :meth:`norm_check` of the same gradients."""
+        partials = torch.empty(2, chunks, dtype=torch.float32)
+        self._mod().norm_check_tables([t for t, _, _ in segments], [n for _, n, _ in segments],
+                                      [_N.DTYPE_CODES[d] for _, _, d in segments], inv_scale.data_ptr(),
+                                      partials.data_ptr(), chunks, False, torch.get_num_threads())
+        return partials
+
+    def _table_head(self, table: tuple, dtype, master, steps, partials, inv_scale, lr, out_stats):
+        partials = _N.partials_arg(partials)
+        head = [table[0], table[1], _N.DTYPE_CODES[dtype], _N.DTYPE_CODES[dtype], _N.ptr(master)]
+        tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], partials.data_ptr(), partials.shape[1],
+                inv_scale.data_ptr(), lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr()]
+        return head, tail
+
+    def adam_step_table(self, table: tuple, dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
+                        out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize) -> None:
+        head, tail = self._table_head(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
+        self._mod().adam_step(*head, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), *tail, beta1, beta2, eps,
+                              weight_decay, max_norm, decoupled, maximize, torch.get_num_threads())
+
+    def sgd_step_table(self, table: tuple, dtype, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
+                       momentum, dampening, weight_decay, nesterov, max_norm, maximize) -> None:
+        head, tail = self._table_head(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
+        buf = momentum_buf if momentum != 0 else None
+        self._mod().sgd_step(*head, _N.ptr(buf), *tail, momentum, dampening, weight_decay, nesterov, max_norm,
+                             maximize, torch.get_num_threads())
+
 
 BACKEND = CpuBackend()

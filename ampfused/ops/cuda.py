@@ -122,6 +122,7 @@ class CudaBackend(CpuBackend):
     name = "cuda"
     kind = "cuda"
     devices = ("cuda",)
+    takes_tables = False  # the CPU entries read host tables; this backend caches device tables of its own
 
     def unavailable_reason(self) -> Optional[str]:
         why = _native.unavailable_reason(self.kind)

@@ -36,6 +36,8 @@ def generation() -> int:
 class Backend:
     """Base class. Subclasses set the attributes and implement the ops of ``reference``."""
 
+    takes_tables = False  # the fused optimizers' table entries (norm_check_tables, adam/sgd_step_table), see cpu.py
+
     name: str = ""
     devices: tuple = ()
     dtypes: tuple = (torch.float32, torch.bfloat16, torch.float16)

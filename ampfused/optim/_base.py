@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import ops
+from .. import _native, ops
 from ..guard import SpikeGuard
 from ..ops.checks import same_layout
 from . import _params as P
@@ -66,6 +66,23 @@ def _on_parameter_registered(module: torch.nn.Module, name: str, param) -> None:
 
 
 torch.nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registered)
+
+
+_NO_GRAD = -1  # the numel column of a table row without a gradient (step_args.h)
+
+
+def _host():
+    """ampfused._host, or None where it is not built (the step then runs its Python path)."""
+    global _HOST
+    if _HOST is False:
+        try:
+            _HOST = _native.module("host")
+        except ImportError:
+            _HOST = None
+    return _HOST
+
+
+_HOST: Any = False
 
 
 def _shard_groups(params) -> tuple:
@@ -139,14 +156,26 @@ class _StateMap(defaultdict):
 
 class _Batch:
     """The gradients of one step: per segment a list with ``None`` for parameters without one, all of them
-    (what K1 reads) and their dtype names."""
+    (what K1 reads) and their dtype names. Or, from the host pass (``tables``): the segments' tensor tables
+    hold the gradients, with ``counts`` of them per segment and ``chunks`` K1 chunks in all, for ``backend``."""
 
-    __slots__ = ("per_segment", "active", "dtypes")
+    __slots__ = ("per_segment", "active", "dtypes", "tables", "counts", "chunks", "backend")
 
     def __init__(self):
         self.per_segment: List[List[Optional[Tensor]]] = []
         self.active: List[Tensor] = []
         self.dtypes: tuple = ()
+        self.tables = False
+        self.counts: List[int] = []
+        self.chunks = 0
+        self.backend = None
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.counts) if self.tables else not self.active
+
+    def segment_empty(self, si: int) -> bool:
+        return self.counts[si] == 0 if self.tables else all(g is None for g in self.per_segment[si])
 
     def keys(self) -> List[tuple]:
         """What identifies these gradients as they are now (a cached norm stays valid while they match)."""
@@ -419,6 +448,10 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _ampfused_device(self) -> torch.device:
         """The device the optimizer's parameters (and so its gradients) are on now."""
+        if self._segments and not len(self._replaced):  # built: the first parameter tells (the step checks all)
+            first = self.param_groups[0]["params"]
+            if first and first[0].device == self._device:
+                return self._device
         self._follow_parameters()
         return self._device
 
@@ -453,6 +486,50 @@ class FusedOptimizer(torch.optim.Optimizer):
                 dtypes.add(dtype)
             batch.per_segment.append(grads)
         batch.dtypes = tuple(sorted(str(d) for d in dtypes))
+        return batch
+
+    def _scan(self) -> Optional[_Batch]:
+        """The step's gradients from ampfused._host's pass over the segments (their tensor tables written in
+        place), when nothing about the parameters changed since the optimizer's last write and every gradient
+        can be read where it is; else None, and the step takes the Python path (which follows the changes,
+        copies or refuses gradients, and names what it refuses)."""
+        if torch.compiler.is_compiling() or self.track_nonfinite or self._partials_cache is not None \
+                or len(self._replaced) or self._device.type != "cpu":
+            return None
+        host = _host()
+        if host is None:
+            return None
+        groups, packed = self.param_groups, self._packed_groups
+        if len(packed) != len(groups) or not self._segments:
+            return None
+        for group, was in zip(groups, packed):
+            ps = group["params"]
+            if was is None or len(ps) != len(was) or not all(map(_is, ps, was)):
+                return None
+        batch = _Batch()
+        batch.tables = True
+        chunk = 0
+        dtypes = set()
+        for seg in self._segments:
+            if seg.sharded:
+                return None
+            backend = ops.registry.get_backend(ops.step_backend(seg.device, seg.step_dtypes, self.backend))
+            if backend is None or not backend.takes_tables or batch.backend not in (None, backend):
+                return None
+            batch.backend = backend
+            if not chunk:
+                chunk = backend._mod().CHUNK
+            status, _, active, chunks = host.scan(seg.params, seg.record_address, seg.table_address, chunk)
+            if status:
+                return None
+            batch.counts.append(active)
+            batch.chunks += chunks
+            if active:
+                dtypes.add(str(seg.dtype))
+        batch.dtypes = tuple(sorted(dtypes))
+        if batch.dtypes and ops.registry.get_backend(ops.step_backend(self._device, batch.dtypes, self.backend)) \
+                is not batch.backend:
+            return None  # K1 would run elsewhere
         return batch
 
     def _local_grad(self, seg: Segment, i: int, g: Optional[Tensor]) -> Optional[Tensor]:
@@ -543,6 +620,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         """K1 over the step's gradients: the partials K2 reads. With FSDP2 the local shards' sums of squares
         and non-finite flags are summed over the shards' process groups (on the device, no host read), so
         every rank clips by the global norm and skips on an overflow anywhere."""
+        if batch.tables:
+            return batch.backend.norm_check_tables(
+                [(seg.table_address, len(seg), seg.dtype) for seg, n in zip(self._segments, batch.counts) if n],
+                batch.chunks, inv_scale)
         partials = ops.call_k1(op, batch.active, inv_scale, batch.dtypes, self.backend)
         if not self._shard_groups:
             return partials
@@ -561,10 +642,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._follow_parameters()
         self._check_hyperparameters()
-        batch = self._collect()
-        if not batch.active:  # no gradient at all: torch.optim does nothing either
+        batch = self._scan()
+        if batch is None:
+            self._follow_parameters()
+            batch = self._collect()
+        if batch.empty:  # no gradient at all: torch.optim does nothing either
             self._pending_clip = None
             self._partials_cache = None
             return loss
@@ -582,8 +665,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             else:
                 lr_mult = torch.where(spike, guard.lr_factor, 1.0).float()
         pending, self._pending_clip = self._pending_clip, None
-        for seg, grads in zip(self._segments, batch.per_segment):
-            if all(g is None for g in grads):
+        for si, seg in enumerate(self._segments):
+            if batch.segment_empty(si):
                 continue
             group = self.param_groups[seg.group_index]
             max_norm = group["max_grad_norm"]
@@ -591,17 +674,32 @@ class FusedOptimizer(torch.optim.Optimizer):
             if pending is not None:
                 max_norm = min(max_norm, pending)
             lr = self._lr_tensor(seg)
-            self._update(seg, grads, group, partials, inv_scale, lr if lr_mult is None else lr * lr_mult, max_norm)
-            if not torch.compiler.is_compiling():
-                seg.vers = versions(seg.tensors())
-            for i, g in enumerate(grads):
-                if g is not None and not seg.has_state[i]:
-                    seg.has_state[i] = True
-                    self._bind_one(seg, i)
+            if lr_mult is not None:
+                lr = lr * lr_mult
+            if batch.tables:
+                self._step_op_table(seg, batch.backend, group, partials, inv_scale, lr, max_norm)
+                _host().bump(seg.params, seg.table_address, seg.record_address)
+                if not seg.all_state:
+                    self._note_state(seg, [n != _NO_GRAD for n in seg.table[:, 2].tolist()])
+            else:
+                grads = batch.per_segment[si]
+                self._update(seg, grads, group, partials, inv_scale, lr, max_norm)
+                if not torch.compiler.is_compiling():
+                    seg.vers = versions(seg.tensors())
+                if not seg.all_state:
+                    self._note_state(seg, [g is not None for g in grads])
         if guard is not None:
             guard.record_(norm, loss if isinstance(loss, Tensor) else None, spike, overflow > 0)
         self._calls += 1
         return loss
+
+    def _note_state(self, seg: Segment, stepped: List[bool]) -> None:
+        """As torch.optim: a parameter has state once a step saw its gradient."""
+        for i, yes in enumerate(stepped):
+            if yes and not seg.has_state[i]:
+                seg.has_state[i] = True
+                self._bind_one(seg, i)
+        seg.all_state = all(seg.has_state)
 
     def _update(self, seg: Segment, grads: List[Optional[Tensor]], group: dict, partials: Tensor,
                 inv_scale: Tensor, lr: Tensor, max_norm: float) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+import numpy
 import torch
 from torch import Tensor
 
@@ -76,8 +77,39 @@ class Segment:
         self.has_state = [False] * len(self.params)  # as torch.optim: state exists once a step saw a gradient
         self.lr = torch.zeros((), **f32)
         self.lr_value = None  # the Python value last written into self.lr
-        self.ptrs: List[int] = []
-        self.vers: List[int] = []
+        # each parameter's (address, version counter) as the optimizer last left it, and the step's tensor table
+        # (step_args.h; the offset column fixed here): host buffers that ampfused._host reads and writes
+        # (numpy arrays: read and written with no torch operator)
+        self.record = numpy.full((len(self.params), 2), -1, dtype=numpy.int64)
+        self.table = numpy.zeros((len(self.params), 4), dtype=numpy.int64)
+        self.table[:, 3] = self.offsets
+        self._addresses()
+        self.all_state = False  # every parameter has state (no per-parameter bookkeeping after a step)
+        self.step_dtypes = tuple(sorted({str(self.dtype)} | ({"torch.float32"} if use_master else set())))
+
+    def _addresses(self) -> None:
+        self.record_address = self.record.ctypes.data
+        self.table_address = self.table.ctypes.data
+
+    def __setstate__(self, state: dict) -> None:  # a copy or an unpickled segment has buffers of its own
+        self.__dict__.update(state)
+        self._addresses()
+
+    @property
+    def ptrs(self) -> List[int]:
+        return self.record[:, 0].tolist()
+
+    @ptrs.setter
+    def ptrs(self, values: List[int]) -> None:
+        self.record[:, 0] = values
+
+    @property
+    def vers(self) -> List[int]:
+        return self.record[:, 1].tolist()
+
+    @vers.setter
+    def vers(self, values: List[int]) -> None:
+        self.record[:, 1] = values
 
     def __len__(self) -> int:
         return len(self.params)
@@ -109,8 +141,7 @@ class Segment:
 
     def forget(self) -> None:
         """Make the next check treat every parameter as changed (after a load: values are compared then)."""
-        self.ptrs = [-1] * len(self.params)
-        self.vers = [-1] * len(self.params)
+        self.record.fill(-1)
 
     @torch.no_grad()
     def follow_values(self, i: int) -> None:

@@ -164,6 +164,7 @@ def import_state_dict(opt, state_dict: dict) -> None:
                           [entry is not None for entry in entries]))
     for seg, states, master, steps, has_state in built:
         seg.states, seg.master, seg.steps, seg.has_state = states, master, steps, has_state
+        seg.all_state = False
         seg.lr_value = None
         seg.forget()  # the next step compares every parameter with its (loaded) master
         for i, p in enumerate(seg.params):

@@ -48,6 +48,13 @@ class AdamMath:
                        float(group["eps"]), float(group["weight_decay"]), max_norm, self.decoupled,
                        bool(group["maximize"]), backend)
 
+    def _step_op_table(self, seg, backend, group, partials, inv_scale, lr, max_norm) -> None:
+        beta1, beta2 = group["betas"]
+        backend.adam_step_table((seg.table_address, len(seg)), seg.dtype, seg.master, seg.states["exp_avg"],
+                                seg.states["exp_avg_sq"], seg.steps, partials, inv_scale, lr, self._stats,
+                                float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+                                max_norm, self.decoupled, bool(group["maximize"]))
+
     def _state_keys_for_load(self, saved: dict):
         if "max_exp_avg_sq" in saved:
             raise ValueError(f"the loaded state has 'max_exp_avg_sq' (an AMSGrad optimizer's state): "

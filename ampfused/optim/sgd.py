@@ -36,6 +36,13 @@ class SgdMath:
                        self._stats, momentum, float(group["dampening"]), float(group["weight_decay"]),
                        bool(group["nesterov"]), max_norm, bool(group["maximize"]), backend)
 
+    def _step_op_table(self, seg, backend, group, partials, inv_scale, lr, max_norm) -> None:
+        momentum = float(group["momentum"])
+        backend.sgd_step_table((seg.table_address, len(seg)), seg.dtype, seg.master, seg.states["momentum_buffer"],
+                               seg.steps, partials, inv_scale, lr, self._stats, momentum,
+                               float(group["dampening"]), float(group["weight_decay"]), bool(group["nesterov"]),
+                               max_norm, bool(group["maximize"]))
+
     # torch.optim.SGD keeps no step; its momentum_buffer is None until the first step with momentum.
     def _export_param_state(self, st: dict, step: float) -> dict:
         has_momentum = any(g["momentum"] != 0 for g in self.param_groups)

@@ -105,6 +105,33 @@ void norm_check(const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& 
                    P, unscale, nthreads);
 }
 
+// norm_check over the gradients of tensor tables (host int64 [count, kTableCols] buffers at `tables`, one
+// gradient dtype each), rows without a gradient left out: the partials of the gradients in table order, as
+// norm_check of the same gradients as lists.
+void norm_check_tables(const std::vector<uintptr_t>& tables, const std::vector<int64_t>& counts,
+                       const std::vector<int>& dtypes, uintptr_t inv_scale, uintptr_t partials, int64_t P,
+                       bool unscale, int nthreads) {
+  if (counts.size() != tables.size() || dtypes.size() != tables.size()) {
+    throw std::invalid_argument("tables, counts and dtypes differ in length");
+  }
+  std::vector<Buf> bufs;
+  std::vector<int64_t> first(1, 0);
+  for (size_t t = 0; t < tables.size(); ++t) {
+    const int64_t* rows = addr<const int64_t>(tables[t]);
+    for (int64_t k = 0; k < counts[t]; ++k) {
+      const int64_t* r = rows + k * kTableCols;
+      if (r[kColNumel] == kNoGrad) continue;
+      bufs.push_back(Buf{addr<void>(uintptr_t(r[kColGrad])), r[kColNumel], dtypes[t]});
+      first.push_back(first.back() + chunks_of(r[kColNumel]));
+    }
+  }
+  if (first.back() != P) throw std::invalid_argument("partials has the wrong number of columns");
+  if (P == 0) return;
+  py::gil_scoped_release nogil;
+  isa().norm_check(bufs.data(), int64_t(bufs.size()), first.data(), *addr<const float>(inv_scale),
+                   addr<float>(partials), P, unscale, nthreads);
+}
+
 // reference._prologue: reduce the partials in column order (fp64), record [norm, found_inf];
 // returns false when the step is skipped.
 bool prologue(const StepArgs& a, double max_norm, float* coef) {
@@ -166,13 +193,25 @@ void run_step(const StepArgs& a, double max_norm, int nthreads, Make make, Apply
   for (int64_t k : rows) add_one(scalar_at(a.steps, a.step_code, k), a.step_code);
 }
 
-void adam_step(const std::vector<int64_t>& table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
+// The table is a list of ints, or the address of a host int64 [count, kTableCols] buffer (the fused optimizers'
+// own tables, written by ampfused._host).
+uintptr_t table_address(const py::object& table, int64_t count, std::vector<int64_t>* keep) {
+  if (py::isinstance<py::int_>(table)) {
+    if (count < 0) throw std::invalid_argument("count must be >= 0");
+    return table.cast<uintptr_t>();
+  }
+  *keep = table.cast<std::vector<int64_t>>();
+  check_table(*keep, count);
+  return uintptr_t(keep->data());
+}
+
+void adam_step(const py::object& table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
                uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t steps, int step_code, uintptr_t partials,
                int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats,
                double beta1, double beta2, double eps, double weight_decay, double max_norm, bool decoupled,
                bool maximize, int nthreads) {
-  check_table(table, count);
-  const StepArgs a = step_args(uintptr_t(table.data()), count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq,
+  std::vector<int64_t> keep;
+  const StepArgs a = step_args(table_address(table, count, &keep), count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq,
                                steps, step_code, partials, num_partials, inv_scale, lr, lr_code, out_stats);
   py::gil_scoped_release nogil;
   run_step<AdamConsts>(a, max_norm, nthreads, [&](float coef, float lr_f, double step) {
@@ -180,12 +219,12 @@ void adam_step(const std::vector<int64_t>& table, int64_t count, int param_dtype
   }, isa().adam);
 }
 
-void sgd_step(const std::vector<int64_t>& table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
+void sgd_step(const py::object& table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
               uintptr_t momentum_buf, uintptr_t steps, int step_code, uintptr_t partials, int64_t num_partials,
               uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double momentum,
               double dampening, double weight_decay, bool nesterov, double max_norm, bool maximize, int nthreads) {
-  check_table(table, count);
-  const StepArgs a = step_args(uintptr_t(table.data()), count, param_dtype, grad_dtype, master,
+  std::vector<int64_t> keep;
+  const StepArgs a = step_args(table_address(table, count, &keep), count, param_dtype, grad_dtype, master,
                                momentum != 0.0 ? momentum_buf : 0, 0, steps, step_code, partials, num_partials, inv_scale,
                                lr, lr_code, out_stats);
   py::gil_scoped_release nogil;
@@ -238,6 +277,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("num_partials", &num_partials, py::arg("numels"));
   m.def("norm_check", &norm_check, py::arg("ptrs"), py::arg("numels"), py::arg("dtypes"), py::arg("inv_scale"),
         py::arg("partials"), py::arg("num_partials"), py::arg("unscale"), py::arg("num_threads"));
+  m.def("norm_check_tables", &norm_check_tables, py::arg("tables"), py::arg("counts"), py::arg("dtypes"),
+        py::arg("inv_scale"), py::arg("partials"), py::arg("num_partials"), py::arg("unscale"),
+        py::arg("num_threads"));
   m.def("adam_step", &adam_step);
   m.def("sgd_step", &sgd_step);
   m.def("update_scale", &update_scale_op, py::call_guard<py::gil_scoped_release>());

@@ -1,0 +1,140 @@
+// ampfused._host: the fused optimizers' per-step host work on the parameters, in one C++ pass.
+//
+// Before every step a fused optimizer must know, for each parameter of a segment, whether it is still the
+// tensor it left after its last step (same address, same version counter), and where its gradient is. In
+// Python that is several attribute reads per tensor (about 2 us per tensor in all); here it is one pass
+// that reads each tensor's impl directly and writes the segment's tensor table (step_args.h) in place.
+//
+// Unlike ampfused._C and ampfused._C_cuda this module is built against torch's headers (it reads
+// at::Tensor), so it is built for the torch it runs with; without it the optimizers take the Python path,
+// which computes the same tables.
+#include <pybind11/pybind11.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <cstdint>
+
+#include "ampfused/step_args.h"
+
+#ifndef AMPFUSED_VERSION
+#define AMPFUSED_VERSION "unknown"
+#endif
+#ifndef AMPFUSED_SOURCES_HASH
+#define AMPFUSED_SOURCES_HASH "unknown"
+#endif
+#ifndef AMPFUSED_TORCH_VERSION
+#define AMPFUSED_TORCH_VERSION "unknown"
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+// What scan() found (its first return value).
+enum Status : int64_t {
+  kOk = 0,              // every parameter as recorded; the table is written
+  kParamChanged = 1,    // parameter `index` was written, moved or replaced since the optimizer last saw it
+  kGradIrregular = 2,   // gradient `index` is not one the kernels read in place (dtype, device, layout, strides)
+  kNotPlain = 3,        // parameter `index` is not a plain tensor (a subclass, or not a tensor at all)
+};
+
+// The gradient is read in place with the parameter's walk: same shape and the same stride in every
+// dimension longer than 1 (as ampfused.ops.checks.same_layout).
+bool same_layout(const at::Tensor& p, const at::Tensor& g) {
+  if (p.sizes() != g.sizes()) return false;
+  const auto ps = p.strides();
+  const auto gs = g.strides();
+  const auto sz = p.sizes();
+  for (size_t d = 0; d < sz.size(); ++d) {
+    if (sz[d] > 1 && ps[d] != gs[d]) return false;
+  }
+  return true;
+}
+
+const at::Tensor* plain(PyObject* obj) {
+  if (!THPVariable_Check(obj)) return nullptr;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (t.unsafeGetTensorImpl()->is_python_dispatch()) return nullptr;  // e.g. a DTensor or a fake tensor
+  return &t;
+}
+
+// scan(params, record, table, chunk) -> (status, index, active, chunks)
+//   params: the segment's parameters (a list);
+//   record: int64 [T, 2] host buffer (address): each parameter's (data address, version) as the optimizer
+//           left it;
+//   table:  int64 [T, kTableCols] host buffer (address): the segment's tensor table; the param, grad and
+//           numel columns are written, the offset column is the segment's and is left alone;
+//   chunk:  K1's chunk length, to count the partials the active gradients make.
+// On kOk, `active` is the number of parameters with a gradient and `chunks` their K1 chunk count; on any
+// other status the table is partly written and must not be used.
+py::tuple scan(py::list params, uintptr_t record, uintptr_t table, int64_t chunk) {
+  const int64_t n = int64_t(PyList_GET_SIZE(params.ptr()));
+  const int64_t* rec = reinterpret_cast<const int64_t*>(record);
+  int64_t* rows = reinterpret_cast<int64_t*>(table);
+  int64_t active = 0, chunks = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const at::Tensor* pp = plain(PyList_GET_ITEM(params.ptr(), k));
+    if (pp == nullptr) return py::make_tuple(int64_t(kNotPlain), k, 0, 0);
+    const at::Tensor& p = *pp;
+    const int64_t address = int64_t(reinterpret_cast<uintptr_t>(p.data_ptr()));
+    if (address != rec[2 * k] || int64_t(p._version()) != rec[2 * k + 1]) {
+      return py::make_tuple(int64_t(kParamChanged), k, 0, 0);
+    }
+    int64_t* row = rows + k * ampfused::kTableCols;
+    row[ampfused::kColParam] = address;
+    const at::Tensor& g = p.grad();
+    if (!g.defined()) {
+      row[ampfused::kColGrad] = 0;
+      row[ampfused::kColNumel] = ampfused::kNoGrad;
+      continue;
+    }
+    if (g.layout() != at::kStrided || g.scalar_type() != p.scalar_type() || g.device() != p.device() ||
+        g.unsafeGetTensorImpl()->is_python_dispatch() || !same_layout(p, g)) {
+      return py::make_tuple(int64_t(kGradIrregular), k, 0, 0);
+    }
+    const int64_t numel = g.numel();
+    row[ampfused::kColGrad] = int64_t(reinterpret_cast<uintptr_t>(g.data_ptr()));
+    row[ampfused::kColNumel] = numel;
+    ++active;
+    chunks += (numel + chunk - 1) / chunk;
+  }
+  return py::make_tuple(int64_t(kOk), int64_t(-1), active, chunks);
+}
+
+// bump(params, table, record): after the step wrote them, bump the version counter of every parameter
+// that had a gradient (as an in-place torch op would; inference tensors have none) and record the new
+// versions, so the next scan sees them as the optimizer's own writes.
+void bump(py::list params, uintptr_t table, uintptr_t record) {
+  const int64_t n = int64_t(PyList_GET_SIZE(params.ptr()));
+  const int64_t* rows = reinterpret_cast<const int64_t*>(table);
+  int64_t* rec = reinterpret_cast<int64_t*>(record);
+  for (int64_t k = 0; k < n; ++k) {
+    if (rows[k * ampfused::kTableCols + ampfused::kColNumel] == ampfused::kNoGrad) continue;
+    const at::Tensor& p = THPVariable_Unpack(PyList_GET_ITEM(params.ptr(), k));
+    if (!p.is_inference()) torch::autograd::impl::bump_version(p);
+    rec[2 * k + 1] = int64_t(p._version());
+  }
+}
+
+py::dict build_info() {
+  py::dict d;
+  d["version"] = AMPFUSED_VERSION;
+  d["sources_hash"] = AMPFUSED_SOURCES_HASH;
+  d["python"] = PY_VERSION;
+  d["compiler"] = __VERSION__;
+  d["torch"] = AMPFUSED_TORCH_VERSION;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_host, m) {
+  m.doc() = "ampfused's per-step host pass over the parameters (built against torch's headers)";
+  m.attr("OK") = int64_t(kOk);
+  m.attr("PARAM_CHANGED") = int64_t(kParamChanged);
+  m.attr("GRAD_IRREGULAR") = int64_t(kGradIrregular);
+  m.attr("NOT_PLAIN") = int64_t(kNotPlain);
+  m.def("build_info", &build_info);
+  m.def("scan", &scan, py::arg("params"), py::arg("record"), py::arg("table"), py::arg("chunk"));
+  m.def("bump", &bump, py::arg("params"), py::arg("table"), py::arg("record"));
+}

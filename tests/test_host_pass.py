@@ -1,0 +1,186 @@
+"""The fused optimizers' host pass (``ampfused._host``): one C++ pass per segment checks every parameter against
+what the optimizer left (address, version counter) and writes the step's tensor table from the gradients. It
+must take the step exactly where the Python path takes it (same bits), hand every change it cannot read in
+place to the Python path (which follows, copies or refuses), and bump version counters as the Python path does.
+"""
+import copy
+
+import pytest
+import torch
+
+import ampfused
+from ampfused import _native
+from ampfused.optim import _base
+from oracle import assert_bitwise
+
+needs_host = pytest.mark.skipif(_native.unavailable_reason("host") is not None,
+                                reason=f"ampfused._host: {_native.unavailable_reason('host')}")
+needs_cpu = pytest.mark.skipif(_native.unavailable_reason("cpu") is not None, reason="no native CPU backend")
+
+
+def test_the_host_pass_is_built_here():
+    """CI builds it (pip install --no-build-isolation); without it the optimizers would silently run slower."""
+    assert _native.unavailable_reason("host") is None, _native.unavailable_reason("host")
+    assert _native.module("host").build_info()["torch"] == torch.__version__
+
+
+class _Counting:
+    """ampfused._host with each scan's status counted."""
+
+    def __init__(self, mod):
+        self.mod, self.statuses = mod, []
+
+    def scan(self, *args):
+        out = self.mod.scan(*args)
+        self.statuses.append(out[0])
+        return out
+
+    def bump(self, *args):
+        return self.mod.bump(*args)
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    mod = _native.module("host")
+    spy = _Counting(mod)
+    monkeypatch.setattr(_base, "_HOST", spy)
+    return spy
+
+
+@pytest.fixture
+def python_path(monkeypatch):
+    monkeypatch.setattr(_base, "_HOST", None)
+
+
+def _model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 6),
+                                torch.nn.LayerNorm(6)).to(torch.bfloat16)
+    model[3].float()  # a second dtype: two segments
+    return model
+
+
+def _train(kind, steps=6, set_to_none=True, inject_inf_at=3):
+    model = _model()
+    decay = [model[0].weight, model[2].weight]
+    rest = [model[0].bias, model[2].bias, model[3].weight, model[3].bias]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    if kind == "adamw":
+        opt = ampfused.FusedAdamW(groups, lr=1e-2, max_grad_norm=1.0, backend="cpu")
+    else:
+        opt = ampfused.FusedSGD(groups, lr=1e-2, momentum=0.9, nesterov=True, max_grad_norm=1.0, backend="cpu")
+    scaler = ampfused.GradScaler("cpu", init_scale=2.0 ** 8)
+    g = torch.Generator().manual_seed(1)
+    for s in range(steps):
+        x = torch.randn(8, 12, generator=g).to(torch.bfloat16)
+        model[2].bias.requires_grad_(s % 2 == 0)  # a parameter without a gradient on odd steps
+        loss = model(x).float().pow(2).mean()
+        if s == inject_inf_at:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=set_to_none)
+    return model, opt, scaler
+
+
+def _assert_same_run(a, b):
+    (ma, oa, sa), (mb, ob, sb) = a, b
+    for (name, p), q in zip(ma.named_parameters(), mb.parameters()):
+        assert_bitwise(name, p.detach(), q.detach())
+        assert sorted(oa.state[p]) == sorted(ob.state[q]), name
+        for key, v in oa.state[p].items():
+            assert_bitwise(f"{name} {key}", torch.as_tensor(v), torch.as_tensor(ob.state[q][key]))
+    assert_bitwise("stats", oa._stats, ob._stats)
+    assert sa.get_scale() == sb.get_scale()
+
+
+@needs_host
+@needs_cpu
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["grads-set-to-None", "grads-zeroed-in-place"])
+def test_the_host_pass_takes_the_python_paths_step(kind, set_to_none, counting, monkeypatch):
+    fast = _train(kind, set_to_none=set_to_none)
+    assert counting.statuses.count(0) >= 5 * 2, counting.statuses  # the warm steps took it, both segments
+    monkeypatch.setattr(_base, "_HOST", None)
+    _assert_same_run(fast, _train(kind, set_to_none=set_to_none))
+
+
+@needs_host
+@needs_cpu
+def test_changes_it_cannot_read_in_place_go_to_the_python_path(counting):
+    host = _native.module("host")
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.bfloat16))
+    opt = ampfused.FusedAdamW([w], lr=0.1, backend="cpu")
+    w.grad = torch.randn_like(w)
+    opt.step()
+    opt.step()
+    assert counting.statuses[-1] == host.OK
+
+    with torch.no_grad():
+        w.copy_(torch.full_like(w, 3.0))  # a write outside the optimizer: the master follows (Python path)
+    opt.step()
+    assert counting.statuses[-1] == host.PARAM_CHANGED
+    assert (w.detach() - 3.0).abs().max() < 0.2 and (opt.state[w]["master_param"] - 3.0).abs().max() < 0.2
+    opt.step()
+    assert counting.statuses[-1] == host.OK  # back on the host pass once followed
+
+    w.grad = torch.randn(4, 6, dtype=torch.bfloat16).t()  # strided unlike its parameter: read through a copy
+    expect_grad = w.grad.contiguous()
+    ref = copy.deepcopy((w, opt))
+    ref[0].grad = expect_grad
+    opt.step()
+    assert counting.statuses[-1] == host.GRAD_IRREGULAR
+    ref[1].step()
+    assert_bitwise("param", w.detach(), ref[0].detach())
+
+    w.grad = torch.randn(6, 4, dtype=torch.bfloat16).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse gradient"):
+        opt.step()
+
+
+@needs_host
+@needs_cpu
+def test_version_counters_move_as_the_python_paths_do(counting):
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(5, dtype=torch.bfloat16))
+    b = torch.nn.Parameter(torch.randn(5, dtype=torch.bfloat16))
+    opt = ampfused.FusedAdamW([a, b], lr=0.1, backend="cpu")
+    a.grad = torch.ones_like(a)
+    b.grad = torch.ones_like(b)
+    opt.step()
+    b.grad = None
+    va, vb = a._version, b._version
+    opt.step()
+    assert counting.statuses[-1] == 0
+    assert (a._version, b._version) == (va + 1, vb)  # written once; the gradless one untouched
+    # autograd sees the in-place update, as with torch.optim
+    y = (a * a).sum()  # saves a for backward
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+@needs_host
+@needs_cpu
+def test_copies_keep_tables_of_their_own(counting):
+    """A deep copy of (model, optimizer) trains on its own: its segments' tables are its own memory."""
+    model = _model()
+    opt = ampfused.FusedAdamW(model.parameters(), lr=1e-2, backend="cpu")
+    x = torch.randn(4, 12).to(torch.bfloat16)
+    for _ in range(2):
+        model(x).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    model2, opt2 = copy.deepcopy((model, opt))
+    seg, seg2 = opt._segments[0], opt2._segments[0]
+    assert seg.table_address != seg2.table_address and seg.record_address != seg2.record_address
+    for _ in range(2):  # the copy's first step sees new addresses (the Python path follows), then its own
+        for m, o in ((model, opt), (model2, opt2)):
+            m(x).float().sum().backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert_bitwise("param", p.detach(), q.detach())
+    assert counting.statuses[-2:] == [0, 0]
