@@ -184,3 +184,66 @@ def test_copies_keep_tables_of_their_own(counting):
     for p, q in zip(model.parameters(), model2.parameters()):
         assert_bitwise("param", p.detach(), q.detach())
     assert counting.statuses[-2:] == [0, 0]
+
+
+@needs_host
+@needs_cpu
+def test_the_cuda_backends_table_entries_hand_its_kernels_the_rows_of_its_list_entries(monkeypatch):
+    """The CUDA backend's table entries (run on a GPU) from a host-pass table, checked here with the CUDA module
+    replaced by a recorder: K1 gets the active gradients' addresses, sizes and dtype codes in table order, and the
+    step's cached device work is built from exactly the rows ``step_table`` makes of the same tensors."""
+    import types
+
+    from ampfused.ops import cuda as C
+
+    calls = []
+
+    class Recorder:
+        STEP_CHUNK, TILE, MAX_PARTIALS_PER_TENSOR, WORK_SHIFT = 4096, 1024, 64, 32
+
+        def num_partials(self, numels):
+            return sum((n + 1023) // 1024 for n in numels)
+
+        def __getattr__(self, name):
+            return lambda *args: calls.append((name, args))
+
+    backend = C.CudaBackend()
+    monkeypatch.setattr(backend, "_mod", lambda: Recorder())
+    monkeypatch.setattr(backend, "_device_args", lambda device: (0, 0))
+    monkeypatch.setattr(C, "_counter", lambda steps: 0)
+    monkeypatch.setattr(C, "_capturing", lambda index: False)
+    monkeypatch.setattr(C, "_device_index", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in (3000, 5, 1500)]
+    opt = ampfused.FusedAdamW(params, lr=0.1, backend="cpu")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    params[1].grad = None
+    seg = opt._segments[0]
+    status, _, active, _ = _native.module("host").scan(seg.params, seg.record_address, seg.table_address, 1)
+    assert (status, active) == (0, 2)
+    grads = [p.grad for p in params]
+    rows, _ = _native.step_table(params, grads)
+    assert seg.table.reshape(-1).tolist() == rows
+
+    inv = torch.ones(())
+    partials = backend.norm_check_tables([(seg.table_address, len(seg), seg.dtype, seg.table)], 0, inv)
+    (name, args), = calls
+    assert name == "norm_check"
+    assert args[:3] == ([params[0].grad.data_ptr(), params[2].grad.data_ptr()], [3000, 1500], [1, 1])
+    assert tuple(partials.shape) == (2, 3 + 2) and args[5] == 5
+
+    calls.clear()
+    C._works.clear()
+    st = seg.states
+    backend.adam_step_table((seg.table_address, len(seg), seg.table), seg.dtype, seg.master, st["exp_avg"],
+                            st["exp_avg_sq"], seg.steps, partials, inv, seg.lr, opt._stats, 0.9, 0.999, 1e-8, 0.0,
+                            float("inf"), True, False)
+    (name, args), = calls
+    work = C._works[(0, seg.steps.data_ptr())]
+    assert name == "adam_step" and work.rows == rows
+    assert work.host[:len(rows)].tolist() == rows
+    assert args[:5] == (work.table, 3, 1, 1, seg.master.data_ptr())

@@ -161,13 +161,13 @@ def test_dynamic_is_torch_bit_for_bit(hp):
 
 def test_default_policy_runs_update_scale_op(monkeypatch):
     calls = []
-    real = ampfused.ops.update_scale_
-    monkeypatch.setattr(ampfused.ops, "update_scale_", lambda *a, **k: calls.append(k) or real(*a, **k))
+    real = ampfused.ops.call_update_scale_
+    monkeypatch.setattr(ampfused.ops, "call_update_scale_", lambda *a: calls.append(a) or real(*a))
     s = ampfused.GradScaler("cpu", backend="reference")
     _drive(s, 3, set(), read=False)
     assert type(s.policy) is DynamicPolicy and len(calls) == 3
-    for k in calls:  # one kernel also forms the next unscale's 1/scale and counts the overflow
-        assert k["backend"] == "reference" and k["inv_scale"] is s._inv and k["skipped"] is not None
+    for a in calls:  # one kernel also forms the next unscale's 1/scale and counts the overflow
+        assert a[-1] == "reference" and a[6] is s._inv and a[7] is not None
 
 
 def test_setters_reach_the_policy():

@@ -153,14 +153,20 @@ class CpuBackend(Backend):
     # parameter checked there: plain, where the optimizer left it, its gradient of its dtype, device and
     # layout) and state buffers they built themselves: these entries pass the tables' addresses and skip the
     # per-tensor checks and table building of the ops above. Results are the same bits.
+    # A table is ``(address, rows, array)``: the host int64 [rows, 4] numpy array and its address.
     takes_tables = True
 
+    @property
+    def table_chunk(self) -> int:
+        """K1's chunk: ampfused._host counts the partials of the tables' gradients with it."""
+        return self._mod().CHUNK
+
     def norm_check_tables(self, segments, chunks: int, inv_scale: Tensor) -> Tensor:
-        """K1 (``norm_check``) over the gradients of ``segments`` (``(table address, rows, grad dtype)`` each),
-        in table order, as :meth:`norm_check` of the same gradients."""
+        """K1 (``norm_check``) over the gradients of ``segments`` (``(table address, rows, grad dtype, table
+        array)`` each), in table order, as :meth:`norm_check` of the same gradients (``chunks`` partials)."""
         partials = torch.empty(2, chunks, dtype=torch.float32)
-        self._mod().norm_check_tables([t for t, _, _ in segments], [n for _, n, _ in segments],
-                                      [_N.DTYPE_CODES[d] for _, _, d in segments], inv_scale.data_ptr(),
+        self._mod().norm_check_tables([t for t, _, _, _ in segments], [n for _, n, _, _ in segments],
+                                      [_N.DTYPE_CODES[d] for _, _, d, _ in segments], inv_scale.data_ptr(),
                                       partials.data_ptr(), chunks, False, torch.get_num_threads())
         return partials
 

@@ -122,7 +122,7 @@ class CudaBackend(CpuBackend):
     name = "cuda"
     kind = "cuda"
     devices = ("cuda",)
-    takes_tables = False  # the CPU entries read host tables; this backend caches device tables of its own
+    table_chunk = 1  # K1's columns here come from num_partials of the gradients' sizes
 
     def unavailable_reason(self) -> Optional[str]:
         why = _native.unavailable_reason(self.kind)
@@ -230,6 +230,48 @@ class CudaBackend(CpuBackend):
         launch = [*self._device_args(dev), work.chunks, work.num_chunks, work.columns, work.num_columns,
                   _counter(steps), bool(single_launch)]
         return head, tail, launch, part
+
+    # ---- the fused optimizers' own tables (see cpu.py): the same kernels and cached device work -------
+    def norm_check_tables(self, segments, chunks: int, inv_scale: Tensor) -> Tensor:
+        ptrs, numels, codes = [], [], []
+        for _, _, dtype, table in segments:
+            rows = table[table[:, 2] != _N.NO_GRAD]
+            n = rows[:, 2].tolist()
+            ptrs += rows[:, 1].tolist()
+            numels += n
+            codes += [_N.DTYPE_CODES[dtype]] * len(n)
+        p = self.num_partials(numels)
+        partials = torch.empty(2, p, dtype=torch.float32, device=inv_scale.device)
+        self._mod().norm_check(ptrs, numels, codes, inv_scale.data_ptr(), partials.data_ptr(), p, False,
+                               *self._device_args(inv_scale.device))
+        return partials
+
+    def _table_step(self, table: tuple, dtype, master, steps, partials, inv_scale, lr, out_stats):
+        """What :meth:`_prepare_step` returns, from a segment's table (checked by ampfused._host) instead of
+        the tensors: the device work is the cached one while the table's rows stay the same."""
+        rows = table[2].reshape(-1).tolist()
+        code = _N.DTYPE_CODES[dtype]
+        work = self._work(rows, (code, code), steps, lambda: None)
+        part = _N.partials_arg(partials)
+        head = [work.table, table[1], code, code, _N.ptr(master)]
+        tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], part.data_ptr(), part.shape[1], inv_scale.data_ptr(),
+                lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr()]
+        launch = [*self._device_args(steps.device), work.chunks, work.num_chunks, work.columns, work.num_columns,
+                  _counter(steps), False]
+        return head, tail, launch, part
+
+    def adam_step_table(self, table: tuple, dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
+                        out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize) -> None:
+        head, tail, launch, _part = self._table_step(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
+        self._mod().adam_step(*head, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), *tail, beta1, beta2, eps, weight_decay,
+                              max_norm, decoupled, maximize, *launch)
+
+    def sgd_step_table(self, table: tuple, dtype, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
+                       momentum, dampening, weight_decay, nesterov, max_norm, maximize) -> None:
+        head, tail, launch, _part = self._table_step(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
+        buf = momentum_buf if momentum != 0 else None
+        self._mod().sgd_step(*head, _N.ptr(buf), *tail, momentum, dampening, weight_decay, nesterov, max_norm,
+                             maximize, *launch)
 
     def adam_step_(self, params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
                    beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize=False, *,

@@ -494,7 +494,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         can be read where it is; else None, and the step takes the Python path (which follows the changes,
         copies or refuses gradients, and names what it refuses)."""
         if torch.compiler.is_compiling() or self.track_nonfinite or self._partials_cache is not None \
-                or len(self._replaced) or self._device.type != "cpu":
+                or len(self._replaced):
             return None
         host = _host()
         if host is None:
@@ -518,7 +518,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 return None
             batch.backend = backend
             if not chunk:
-                chunk = backend._mod().CHUNK
+                chunk = backend.table_chunk
             status, _, active, chunks = host.scan(seg.params, seg.record_address, seg.table_address, chunk)
             if status:
                 return None
@@ -622,7 +622,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         every rank clips by the global norm and skips on an overflow anywhere."""
         if batch.tables:
             return batch.backend.norm_check_tables(
-                [(seg.table_address, len(seg), seg.dtype) for seg, n in zip(self._segments, batch.counts) if n],
+                [(seg.table_address, len(seg), seg.dtype, seg.table) for seg, n in zip(self._segments, batch.counts)
+                 if n],
                 batch.chunks, inv_scale)
         partials = ops.call_k1(op, batch.active, inv_scale, batch.dtypes, self.backend)
         if not self._shard_groups:

@@ -50,7 +50,8 @@ class AdamMath:
 
     def _step_op_table(self, seg, backend, group, partials, inv_scale, lr, max_norm) -> None:
         beta1, beta2 = group["betas"]
-        backend.adam_step_table((seg.table_address, len(seg)), seg.dtype, seg.master, seg.states["exp_avg"],
+        table = (seg.table_address, len(seg), seg.table)
+        backend.adam_step_table(table, seg.dtype, seg.master, seg.states["exp_avg"],
                                 seg.states["exp_avg_sq"], seg.steps, partials, inv_scale, lr, self._stats,
                                 float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
                                 max_norm, self.decoupled, bool(group["maximize"]))

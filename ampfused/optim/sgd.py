@@ -38,7 +38,8 @@ class SgdMath:
 
     def _step_op_table(self, seg, backend, group, partials, inv_scale, lr, max_norm) -> None:
         momentum = float(group["momentum"])
-        backend.sgd_step_table((seg.table_address, len(seg)), seg.dtype, seg.master, seg.states["momentum_buffer"],
+        table = (seg.table_address, len(seg), seg.table)
+        backend.sgd_step_table(table, seg.dtype, seg.master, seg.states["momentum_buffer"],
                                seg.steps, partials, inv_scale, lr, self._stats, momentum,
                                float(group["dampening"]), float(group["weight_decay"]), bool(group["nesterov"]),
                                max_norm, bool(group["maximize"]))
