@@ -54,7 +54,7 @@ def _checkout_sources_hash() -> Optional[str]:
 
 
 def _describe(info: dict) -> str:
-    keys = ("version", "python", "sources_hash", "cuda_runtime", "archs", "isas")
+    keys = ("version", "python", "torch", "sources_hash", "cuda_runtime", "archs", "isas")
     return ", ".join(f"{k} {info[k]}" for k in keys if k in info)
 
 

@@ -37,7 +37,6 @@ ZeRO-1 a gradient/parameter buffer per dtype (2 B/param for bf16) and an fp32 gr
 from __future__ import annotations
 
 import copy
-import csv
 import dataclasses
 import json
 import math
@@ -61,7 +60,7 @@ import ampfused
 from . import env as envmod
 from .check import CorrectnessError, Expected, Plan, compare
 from .measure import percentile, synchronize
-from .report import NA
+from .report import NA, write_csv
 from .variants import Snapshot, TorchRecipe
 from .workloads import GRAD_NORM, Instance, Workload
 
@@ -540,15 +539,6 @@ def rows(result: dict, cfg: Config, env: dict) -> List[dict]:
     return out
 
 
-def write_csv(rows_: List[dict], path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        for r in rows_:
-            w.writerow({c: r.get(c, NA) for c in COLUMNS})
-
-
 def table(rows_: List[dict]) -> str:
     """A markdown table, one row per variant."""
     head = ["variant", "median ms", "p20-p80 ms", "x torch-ddp", "optimizer bytes per rank", "bytes/param",
@@ -632,7 +622,7 @@ def main(args, device: torch.device) -> int:
     text = summary(out_rows, cfg, notes)
     print("\n" + text)
     csv_path, md_path = os.path.join(args.out, stem + ".csv"), os.path.join(args.out, stem + ".md")
-    write_csv(out_rows, csv_path)
+    write_csv(out_rows, csv_path, COLUMNS)
     with open(md_path, "w") as f:
         f.write(text + "\n")
     print(f"\nwrote {csv_path}\nwrote {md_path}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import csv
 import os
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Sequence
 
 COLUMNS = ["device", "torch", "triton", "git_sha", "workload", "numel", "tensors", "grad_dtype", "param_dtype",
            "clip", "variant", "backend", "median_ms", "p20_ms", "p80_ms", "gbps_effective", "copy_gbps",
@@ -42,13 +42,13 @@ def fmt(x: Optional[float], digits: int = 3) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
-def write_csv(rows: Iterable[dict], path: str) -> None:
+def write_csv(rows: Iterable[dict], path: str, columns: Sequence[str] = COLUMNS) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=list(columns))
         w.writeheader()
         for r in rows:
-            w.writerow({c: r.get(c, NA) for c in COLUMNS})
+            w.writerow({c: r.get(c, NA) for c in columns})
 
 
 def read_csv(path: str) -> List[dict]:

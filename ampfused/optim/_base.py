@@ -8,7 +8,9 @@ fp32 masters for fp16/bf16 parameters, the states in flat buffers, a step count 
 Segments are built at the first step (or ``load_state_dict`` / ``state_dict``), from the parameters as they
 are then: a model loaded, cast or moved to its device after the optimizer was built is what gets trained.
 Before every later step a host check compares each parameter's address and version counter with what the
-segment recorded after its own last write (no pass over the weights):
+segment recorded after its own last write (no pass over the weights). ``ampfused._host`` makes that check and
+writes the step's tensor tables in one C++ pass per segment (:meth:`FusedOptimizer._scan`); whatever it finds
+changed, or cannot read in place, sends the step through the Python path below, which follows it:
 
 * same place and layout, new version (``load_state_dict``, ``nn.init``, ``p.copy_``, ``p.mul_``) or new
   place, same layout (``p.data = t``, ``share_memory``): the master is kept where it still rounds to every
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 import weakref
 from collections import defaultdict
 from typing import Any, Dict, List, Optional
@@ -506,19 +509,15 @@ class FusedOptimizer(torch.optim.Optimizer):
             ps = group["params"]
             if was is None or len(ps) != len(was) or not all(map(_is, ps, was)):
                 return None
+        backend = self._table_backend()
+        if backend is None:
+            return None
         batch = _Batch()
         batch.tables = True
-        chunk = 0
+        batch.backend = backend
+        chunk = backend.table_chunk
         dtypes = set()
         for seg in self._segments:
-            if seg.sharded:
-                return None
-            backend = ops.registry.get_backend(ops.step_backend(seg.device, seg.step_dtypes, self.backend))
-            if backend is None or not backend.takes_tables or batch.backend not in (None, backend):
-                return None
-            batch.backend = backend
-            if not chunk:
-                chunk = backend.table_chunk
             status, _, active, chunks = host.scan(seg.params, seg.record_address, seg.table_address, chunk)
             if status:
                 return None
@@ -527,10 +526,30 @@ class FusedOptimizer(torch.optim.Optimizer):
             if active:
                 dtypes.add(str(seg.dtype))
         batch.dtypes = tuple(sorted(dtypes))
-        if batch.dtypes and ops.registry.get_backend(ops.step_backend(self._device, batch.dtypes, self.backend)) \
-                is not batch.backend:
-            return None  # K1 would run elsewhere
         return batch
+
+    def _table_backend(self):
+        """The backend that runs every segment's step and K1 over any of their gradients, when it takes the
+        host pass's tables; else None. Remembered while the segments, ``backend`` and the backend registry
+        (and its environment override) stay the same."""
+        key = (id(self._segments), self.backend, os.environ.get(ops.registry.ENV_VAR), ops.registry.generation())
+        memo = self.__dict__.get("_table_memo")
+        if memo is not None and memo[0] == key and memo[1] is self._segments:
+            return memo[2]
+        found = None
+        for seg in self._segments:
+            b = ops.registry.get_backend(ops.step_backend(seg.device, seg.step_dtypes, self.backend))
+            k1 = ops.registry.get_backend(ops.step_backend(seg.device, (str(seg.dtype),), self.backend))
+            if seg.sharded or b is None or not b.takes_tables or k1 is not b or found not in (None, b):
+                found = None
+                break
+            found = b
+        if found is not None and len({s.dtype for s in self._segments}) > 1:  # K1 over several dtypes at once
+            names = tuple(sorted({str(s.dtype) for s in self._segments}))
+            if ops.registry.get_backend(ops.step_backend(self._device, names, self.backend)) is not found:
+                found = None
+        self._table_memo = (key, self._segments, found)
+        return found
 
     def _local_grad(self, seg: Segment, i: int, g: Optional[Tensor]) -> Optional[Tensor]:
         """A sharded parameter's gradient as the kernels read it: this rank's shard, placed like the parameter."""
@@ -570,9 +589,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         return seg.lr
 
     def _check_hyperparameters(self) -> None:
-        """Hyperparameters as they are now in ``param_groups`` (schedulers and users change them)."""
+        """Hyperparameters as they are now in ``param_groups`` (schedulers and users change them); a group
+        whose values are those it had at its last check (tensors: the same tensor) is not checked again."""
+        checked = self.__dict__.setdefault("_checked_hyper", {})
         for gi, group in enumerate(self.param_groups):
+            key = [(k, id(v) if isinstance(v, Tensor) else v) for k, v in group.items() if k != "params"]
+            if checked.get(gi) == key:
+                continue
             self._validate_group(group, f" in param_groups[{gi}]")
+            checked[gi] = key
 
     @staticmethod
     def _check_divisor(grad_divisor) -> None:
@@ -846,6 +871,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         state = dict(self.__dict__)
         state["_replaced"] = None  # weak references do not pickle; pending swaps are taken at the next step
         state["_shard_groups"] = ()  # process groups do not pickle; found again from the parameters
+        state.pop("_table_memo", None)  # memos of this process (backend objects, tensor ids)
+        state.pop("_checked_hyper", None)
         return state
 
     def __setstate__(self, state: dict) -> None:
