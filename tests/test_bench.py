@@ -148,3 +148,13 @@ def test_compile_budget_is_reported_as_unavailable():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert "UNAVAILABLE" in out.stdout, out.stdout + out.stderr
+
+
+def test_host_time_table_times_both_paths():
+    from bench import host_time
+    out = host_time.table([1, 3], calls=20, rounds=1)
+    lines = out.splitlines()
+    assert lines[0] == "| tensors | path | `opt.step()` | `scaler.step` + `update` |"
+    rows = [line for line in lines[2:] if line.startswith("| ")]
+    assert [r.split(" | ")[1] for r in rows] == ["Python", "`ampfused._host`"] * 2
+    assert all(r.endswith(" us |") for r in rows)
