@@ -2,7 +2,10 @@
 
 * Time: every step is timed on its own after warm-up. On CUDA, events recorded around the step (the
   gradient refill before each step is outside them); elsewhere ``perf_counter`` around the step with a
-  device synchronize on both sides. Reported as median and the 20th/80th percentiles.
+  device synchronize on both sides. Reported as median and the 20th/80th percentiles. On CUDA also the host
+  time: ``perf_counter`` around the step call alone (until it returns, kernels queued, no synchronize), the
+  CPU's cost of a step; a step whose host time exceeds its GPU time leaves the GPU waiting. (On other devices
+  the step's time is host time.)
 * Copy bandwidth: ``dst.copy_(src)`` of a buffer far larger than the caches, median of several, counted as
   read + write (:func:`bench.bytes.copy_bytes`), at the start and at the end of a run; the higher of the
   two is the yardstick, since other load on the machine can only lower it. Also reported (table and notes, not the CSV): the in-place
@@ -56,6 +59,11 @@ def percentile(xs: List[float], q: float) -> float:
 @dataclass
 class Timing:
     times_ms: List[float]
+    host_ms: Optional[List[float]] = None  # CUDA: until each step call returned
+
+    @property
+    def host_median(self) -> Optional[float]:
+        return statistics.median(self.host_ms) if self.host_ms else None
 
     @property
     def median(self) -> float:
@@ -82,6 +90,7 @@ def time_steps(step: Callable[[], None], refill: Callable[[], None], device: tor
     times: List[float] = []
     spent = 0.0
     if device.type == "cuda":
+        host: List[float] = []
         for _ in range(reps):
             pairs = []
             # batches of events so the host reads them without a sync after every step
@@ -89,7 +98,9 @@ def time_steps(step: Callable[[], None], refill: Callable[[], None], device: tor
                 refill()
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
+                t0 = time.perf_counter()
                 step()
+                host.append((time.perf_counter() - t0) * 1e3)
                 b.record()
                 pairs.append((a, b))
             torch.cuda.synchronize(device)
@@ -98,7 +109,7 @@ def time_steps(step: Callable[[], None], refill: Callable[[], None], device: tor
             spent += sum(a.elapsed_time(b) for a, b in pairs) / 1e3
             if len(times) >= reps or (spent >= max_seconds and len(times) >= min_reps):
                 break
-        return Timing(times[:reps])
+        return Timing(times[:reps], host[:reps])
     for i in range(reps):
         refill()
         synchronize(device)

@@ -8,7 +8,8 @@ from typing import Dict, Iterable, List, Optional, Sequence
 COLUMNS = ["device", "torch", "triton", "git_sha", "workload", "numel", "tensors", "grad_dtype", "param_dtype",
            "clip", "variant", "backend", "median_ms", "p20_ms", "p80_ms", "gbps_effective", "copy_gbps",
            "pct_of_copy_bw", "speedup_vs_torch_fused", "speedup_vs_torch_foreach", "host_syncs", "launches",
-           "peak_mem_mb", "rmw_gbps"]
+           "peak_mem_mb", "rmw_gbps", "host_ms"]
+OPTIONAL = ("rmw_gbps", "host_ms")  # columns that runs of older versions lack
 NA = "n/a"  # what cannot be measured here, or has no baseline to compare with
 TORCH_VARIANTS = ("torch-foreach", "torch-fused", "torch-compile")
 
@@ -55,7 +56,7 @@ def read_csv(path: str) -> List[dict]:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     if rows and list(rows[0].keys()) != COLUMNS:
-        missing = [c for c in COLUMNS if c not in rows[0] and c != "rmw_gbps"]  # older runs lack rmw_gbps
+        missing = [c for c in COLUMNS if c not in rows[0] and c not in OPTIONAL]
         if missing:
             raise ValueError(f"{path} is not a benchmark CSV: missing columns {missing}")
     return rows
@@ -74,16 +75,21 @@ def best_torch_speedup(rows: List[dict], row: dict) -> Optional[float]:
     return min(times) / float(row["median_ms"]) if times else None
 
 
+def _host_cell(row: dict) -> str:
+    host = _num(row.get("host_ms", NA))
+    return NA if host is None else f"{host:.3f}"
+
+
 def table(rows: List[dict], rmw_gbps: Optional[float] = None) -> str:
     """A fixed-width table of the results, grouped by workload, dtype and clip."""
-    head = ["workload", "grad", "clip", "variant", "median ms", "p20-p80 ms", "Mparam/s", "GB/s", "% copy",
+    head = ["workload", "grad", "clip", "variant", "median ms", "p20-p80 ms", "host ms", "Mparam/s", "GB/s", "% copy",
             "% rmw", "x fused", "x foreach", "x best torch", "launches", "syncs", "peak MB"]
     body = []
     for r in rows:
         best = best_torch_speedup(rows, r)
         rmw = NA if not rmw_gbps else f"{100 * float(r['gbps_effective']) / rmw_gbps:.4g}"
         body.append([r["workload"], r["grad_dtype"], r["clip"], r["variant"], f"{float(r['median_ms']):.3f}",
-                     f"{float(r['p20_ms']):.3f}-{float(r['p80_ms']):.3f}",
+                     f"{float(r['p20_ms']):.3f}-{float(r['p80_ms']):.3f}", _host_cell(r),
                      f"{int(r['numel']) / float(r['median_ms']) / 1e3:.4g}", r["gbps_effective"],
                      r["pct_of_copy_bw"], rmw, r["speedup_vs_torch_fused"], r["speedup_vs_torch_foreach"],
                      NA if best is None else f"{best:.2f}", r["launches"], r["host_syncs"], r["peak_mem_mb"]])
@@ -111,5 +117,7 @@ def summary(rows: List[dict], copy_gbps: float, device: str, notes: List[str],
             "is against copy_ (the CSV's pct_of_copy_bw), % rmw against the in-place read-modify-write bandwidth, "
             "which a CPU's copy_ understates by its write-allocate reads; above 100% also means part of the working "
             "set stayed in cache. x best torch is against the fastest torch variant measured; launches on CPU are "
-            "outermost operators dispatched, syncs n/a on CPU (bench/measure.py)."]
+            "outermost operators dispatched, syncs n/a on CPU; host ms (CUDA) is the time until the step call "
+            "returned, its kernels queued: the CPU's cost of a step, n/a where the step's time is host time "
+            "(bench/measure.py)."]
     return "\n".join(out)

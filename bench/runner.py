@@ -46,6 +46,7 @@ def _row(env: dict, inst: Instance, v: Variant, timing: measure.Timing, prof: me
                 grad_dtype=DTYPE_NAMES[inst.grad_dtype], param_dtype=DTYPE_NAMES[inst.param_dtype],
                 clip=str(inst.clip).lower(), variant=v.name, backend=v.backend,
                 median_ms=f"{timing.median:.4f}", p20_ms=f"{timing.p20:.4f}", p80_ms=f"{timing.p80:.4f}",
+                host_ms=NA if timing.host_median is None else f"{timing.host_median:.4f}",
                 gbps_effective=f"{gbps:.4g}",
                 host_syncs=NA if prof.host_syncs is None else prof.host_syncs,
                 launches=NA if prof.launches is None else prof.launches, peak_mem_mb=peak)
