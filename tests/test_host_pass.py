@@ -11,6 +11,7 @@ import torch
 import ampfused
 from ampfused import _native
 from ampfused.optim import _base
+from backends import cpu_backends
 from oracle import assert_bitwise
 
 needs_host = pytest.mark.skipif(_native.unavailable_reason("host") is not None,
@@ -60,16 +61,16 @@ def _model():
     return model
 
 
-def _train(kind, steps=6, set_to_none=True, inject_inf_at=3):
+def _train(kind, steps=6, set_to_none=True, inject_inf_at=3, backend="cpu"):
     model = _model()
     decay = [model[0].weight, model[2].weight]
     rest = [model[0].bias, model[2].bias, model[3].weight, model[3].bias]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
     if kind == "adamw":
-        opt = ampfused.FusedAdamW(groups, lr=1e-2, max_grad_norm=1.0, backend="cpu")
+        opt = ampfused.FusedAdamW(groups, lr=1e-2, max_grad_norm=1.0, backend=backend)
     else:
-        opt = ampfused.FusedSGD(groups, lr=1e-2, momentum=0.9, nesterov=True, max_grad_norm=1.0, backend="cpu")
-    scaler = ampfused.GradScaler("cpu", init_scale=2.0 ** 8)
+        opt = ampfused.FusedSGD(groups, lr=1e-2, momentum=0.9, nesterov=True, max_grad_norm=1.0, backend=backend)
+    scaler = ampfused.GradScaler("cpu", init_scale=2.0 ** 8, backend=backend)
     g = torch.Generator().manual_seed(1)
     for s in range(steps):
         x = torch.randn(8, 12, generator=g).to(torch.bfloat16)
@@ -104,6 +105,16 @@ def test_the_host_pass_takes_the_python_paths_step(kind, set_to_none, counting, 
     assert counting.statuses.count(0) >= 5 * 2, counting.statuses  # the warm steps took it, both segments
     monkeypatch.setattr(_base, "_HOST", None)
     _assert_same_run(fast, _train(kind, set_to_none=set_to_none))
+
+
+@needs_host
+@pytest.mark.skipif("triton" not in cpu_backends(), reason="Triton does not run here")
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_the_host_pass_feeds_the_triton_kernels_as_the_python_path_does(kind, counting, monkeypatch):
+    fast = _train(kind, steps=4, inject_inf_at=2, backend="triton")
+    assert counting.statuses.count(0) >= 3 * 2, counting.statuses
+    monkeypatch.setattr(_base, "_HOST", None)
+    _assert_same_run(fast, _train(kind, steps=4, inject_inf_at=2, backend="triton"))
 
 
 @needs_host

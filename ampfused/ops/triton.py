@@ -26,6 +26,7 @@ import os
 from collections import OrderedDict
 from typing import Callable, Dict, List, Optional
 
+import numpy
 import torch
 from torch import Tensor
 
@@ -189,6 +190,49 @@ class TritonBackend(Backend):
         k.adam_step_(plan, len(params), *self._step_dtypes(params, grads), master, exp_avg, exp_avg_sq, steps,
                      partials, inv_scale, lr, out_stats, self._counter(steps.device), beta1, beta2, eps,
                      weight_decay, max_norm, decoupled, maximize)
+
+    # ---- the fused optimizers' own tables (see cpu.py): the same kernels and cached plans ----------------
+    takes_tables = True
+    table_chunk = 1  # K1's columns here come from num_partials of the gradients' sizes
+
+    def norm_check_tables(self, segments, chunks: int, inv_scale: Tensor) -> Tensor:
+        k1, common = _kernels("norm_check"), _kernels("_common")
+        rows: List[int] = []
+        for _, _, dtype, table in segments:
+            active = table[table[:, 2] != _native.NO_GRAD]
+            grad_rows = numpy.empty((len(active), 3), dtype=numpy.int64)  # address, numel, dtype code
+            grad_rows[:, 0], grad_rows[:, 1], grad_rows[:, 2] = active[:, 1], active[:, 2], _native.DTYPE_CODES[dtype]
+            rows += grad_rows.reshape(-1).tolist()
+        device = inv_scale.device
+        plan = self.grad_tables.get(
+            (device, k1.CHUNK, tuple(rows)), None,
+            lambda: common.make_plan(rows, 3, 1, (0,), k1.CHUNK, device), _capturing(device),
+            "the gradients of norm_check/unscale_")
+        return k1.run(plan, inv_scale, False)
+
+    def _table_plan(self, table: tuple, steps: Tensor, chunk: int):
+        rows = table[2].reshape(-1).tolist()
+        device = steps.device
+        common = _kernels("_common")
+        return self.step_tables.get(
+            (device, steps.data_ptr(), chunk), rows,
+            lambda: common.make_plan(rows, 4, 2, (0, 1), chunk, device), _capturing(device),
+            "the parameters and gradients of a step")
+
+    def adam_step_table(self, table: tuple, dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
+                        out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize) -> None:
+        k = _kernels("adam")
+        k.adam_step_(self._table_plan(table, steps, k.CHUNK), table[1], dtype, dtype, master, exp_avg, exp_avg_sq,
+                     steps, partials, inv_scale, lr, out_stats, self._counter(steps.device), beta1, beta2, eps,
+                     weight_decay, max_norm, decoupled, maximize)
+
+    def sgd_step_table(self, table: tuple, dtype, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
+                       momentum, dampening, weight_decay, nesterov, max_norm, maximize) -> None:
+        k = _kernels("sgd")
+        buf = momentum_buf if momentum != 0 else None
+        k.sgd_step_(self._table_plan(table, steps, k.CHUNK), table[1], dtype, dtype, master, buf, steps, partials,
+                    inv_scale, lr, out_stats, self._counter(steps.device), momentum, dampening, weight_decay,
+                    nesterov, max_norm, maximize)
 
     def sgd_step_(self, params, grads, master, momentum_buf, steps, partials, inv_scale, lr, out_stats, momentum,
                   dampening, weight_decay, nesterov, max_norm, maximize=False) -> None:
