@@ -238,15 +238,21 @@ class CompiledRecipe(TorchRecipe):
 
 
 class TorchCompile(Variant):
-    """``budget_s`` bounds the time spent compiling over the whole run (the first calls of each runner)."""
+    """``budget_s`` bounds the time spent compiling over the whole run (the first calls of each runner);
+    ``only``: the one workload it compiles on (the default run on CUDA, where a compile takes minutes), or None
+    for every workload."""
     name, backend, is_torch = "torch-compile", "inductor", True
 
-    def __init__(self, budget_s: float = 300.0):
+    def __init__(self, budget_s: float = 300.0, only: Optional[str] = None):
         super().__init__()
         self.budget_s = budget_s
         self.spent_s = 0.0
+        self.only = only
 
     def build(self, inst, params):
+        if self.only is not None and inst.workload.name != self.only:
+            raise Unavailable(f"compiled on {self.only} only in the default run on this device (a compile takes "
+                              "minutes here); --full, or --variants torch-compile, compiles every workload")
         if self.spent_s >= self.budget_s:
             raise Unavailable(f"the run's {self.budget_s:.0f} s compile budget is spent (--compile-budget)",
                               permanent=True)
@@ -255,9 +261,9 @@ class TorchCompile(Variant):
         return CompiledRecipe(self.name, self.backend, inst, params, self)
 
 
-def torch_variants(compile_budget_s: float = 300.0) -> List[Variant]:
+def torch_variants(compile_budget_s: float = 300.0, compile_only: Optional[str] = None) -> List[Variant]:
     """torch's three recipes (ampfused's variants, one per available backend, are in ampfused_variant)."""
-    return [TorchForeach(), TorchFused(), TorchCompile(compile_budget_s)]
+    return [TorchForeach(), TorchFused(), TorchCompile(compile_budget_s, compile_only)]
 
 
 def select(variants: List[Variant], names: Optional[List[str]]) -> List[Variant]:

@@ -158,3 +158,18 @@ def test_host_time_table_times_both_paths():
     rows = [line for line in lines[2:] if line.startswith("| ")]
     assert [r.split(" | ")[1] for r in rows] == ["Python", "`ampfused._host`"] * 2
     assert all(r.endswith(" us |") for r in rows)
+
+
+def test_the_default_cuda_run_compiles_on_one_workload():
+    from bench.variants import TorchCompile, Unavailable
+    args = cli.parser().parse_args([])
+    names = ["1Mx200", "16Mx32", "gpt2-small", "gpt2-medium"]
+    assert cli.compile_only(torch.device("cuda"), args, names) == "gpt2-small"
+    assert cli.compile_only(torch.device("cuda"), args, ["16Mx32", "1Mx200"]) == "16Mx32"
+    assert cli.compile_only(torch.device("cpu"), args, names) is None
+    assert cli.compile_only(torch.device("cuda"), cli.parser().parse_args(["--full"]), names) is None
+    assert cli.compile_only(torch.device("cuda"), cli.parser().parse_args(["--variants", "torch-compile"]),
+                            names) is None
+    other = workloads.expand(["1Mx200"], ["bf16"], [True], torch.device("cpu"))[0]
+    with pytest.raises(Unavailable, match="compiled on gpt2-small only in the default run"):
+        TorchCompile(only="gpt2-small").build(other, None)
