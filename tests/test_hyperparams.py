@@ -261,3 +261,15 @@ def test_load_state_dict_that_does_not_fit_changes_nothing(how):
         assert_bitwise(f"tensor {i}", a, b)
     assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
     opt.load_state_dict(good)  # and the optimizer still takes a good one
+
+
+def test_a_hyperparameter_list_changed_in_place_is_checked_at_the_next_step():
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = ampfused.FusedAdam([{"params": [p], "betas": [0.9, 0.999]}], lr=0.1)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    opt.param_groups[0]["betas"][1] = 1.5
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 1"):
+        opt.step()
+    assert torch.equal(p.detach(), before)

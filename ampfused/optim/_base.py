@@ -593,7 +593,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         whose values are those it had at its last check (tensors: the same tensor) is not checked again."""
         checked = self.__dict__.setdefault("_checked_hyper", {})
         for gi, group in enumerate(self.param_groups):
-            key = [(k, id(v) if isinstance(v, Tensor) else v) for k, v in group.items() if k != "params"]
+            key = [(k, id(v) if isinstance(v, Tensor) else tuple(v) if isinstance(v, list) else v)
+                   for k, v in group.items() if k != "params"]  # a list is compared by a copy of its items
             if checked.get(gi) == key:
                 continue
             self._validate_group(group, f" in param_groups[{gi}]")
