@@ -73,8 +73,8 @@ def _native_rows() -> List[str]:
         if kind == "cpu":
             mod = _native.module(kind)
             extra = f"; running {mod.isa()} kernels (this CPU supports {mod.supported_isas()})"
-        rows.append(f"{name}: built ({_native._describe(info)}, compiler {info.get('compiler', info.get('nvcc'))}"
-                    f"){extra}")
+        compilers = f"compiler {info.get('compiler')}" + (f", nvcc {info['nvcc']}" if "nvcc" in info else "")
+        rows.append(f"{name}: built ({_native._describe(info)}, {compilers}){extra}")
     return rows
 
 

@@ -129,7 +129,9 @@ class TritonBackend(Backend):
 
     def _step_plan(self, params: List[Tensor], grads: List[Optional[Tensor]], steps: Tensor, chunk: int):
         """The tensor table and chunk list of a step, reused while the call site's tensors are unchanged."""
-        rows = _native.step_table(params, grads)[0]
+        return self._plan_of_rows(_native.step_table(params, grads)[0], steps, chunk)
+
+    def _plan_of_rows(self, rows: List[int], steps: Tensor, chunk: int):
         device = steps.device
         common = _kernels("_common")
         return self.step_tables.get(
@@ -211,13 +213,7 @@ class TritonBackend(Backend):
         return k1.run(plan, inv_scale, False)
 
     def _table_plan(self, table: tuple, steps: Tensor, chunk: int):
-        rows = table[2].reshape(-1).tolist()
-        device = steps.device
-        common = _kernels("_common")
-        return self.step_tables.get(
-            (device, steps.data_ptr(), chunk), rows,
-            lambda: common.make_plan(rows, 4, 2, (0, 1), chunk, device), _capturing(device),
-            "the parameters and gradients of a step")
+        return self._plan_of_rows(table[2].reshape(-1).tolist(), steps, chunk)
 
     def adam_step_table(self, table: tuple, dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
                         out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize) -> None:

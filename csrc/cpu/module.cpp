@@ -10,15 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "ampfused/build_id.h"
 #include "ampfused/step_args.h"
 #include "kernels.h"
 
-#ifndef AMPFUSED_VERSION
-#define AMPFUSED_VERSION "unknown"
-#endif
-#ifndef AMPFUSED_SOURCES_HASH
-#define AMPFUSED_SOURCES_HASH "unknown"
-#endif
 
 namespace py = pybind11;
 using namespace ampfused;
@@ -242,11 +237,7 @@ void update_scale_op(uintptr_t scale, uintptr_t growth_tracker, uintptr_t found_
 }
 
 py::dict build_info() {
-  py::dict d;
-  d["version"] = AMPFUSED_VERSION;
-  d["sources_hash"] = AMPFUSED_SOURCES_HASH;
-  d["python"] = PY_VERSION;
-  d["compiler"] = __VERSION__;
+  py::dict d = build_identity();
 #if defined(_OPENMP)
   d["openmp"] = int(_OPENMP);
 #else

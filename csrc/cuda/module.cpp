@@ -10,14 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "ampfused/build_id.h"
 #include "launch.h"
 
-#ifndef AMPFUSED_VERSION
-#define AMPFUSED_VERSION "unknown"
-#endif
-#ifndef AMPFUSED_SOURCES_HASH
-#define AMPFUSED_SOURCES_HASH "unknown"
-#endif
 #ifndef AMPFUSED_CUDA_ARCHS
 #define AMPFUSED_CUDA_ARCHS "unknown"
 #endif
@@ -108,10 +103,7 @@ void update_scale_op(uintptr_t scale, uintptr_t growth_tracker, uintptr_t found_
 }
 
 py::dict build_info() {
-  py::dict d;
-  d["version"] = AMPFUSED_VERSION;
-  d["sources_hash"] = AMPFUSED_SOURCES_HASH;
-  d["python"] = PY_VERSION;
+  py::dict d = build_identity();
   const int rt = cuda::runtime_version();
   d["cuda_runtime"] = std::to_string(rt / 1000) + "." + std::to_string(rt % 1000 / 10);
   d["nvcc"] = AMPFUSED_NVCC_VERSION;

@@ -14,14 +14,9 @@
 
 #include <cstdint>
 
+#include "ampfused/build_id.h"
 #include "ampfused/step_args.h"
 
-#ifndef AMPFUSED_VERSION
-#define AMPFUSED_VERSION "unknown"
-#endif
-#ifndef AMPFUSED_SOURCES_HASH
-#define AMPFUSED_SOURCES_HASH "unknown"
-#endif
 #ifndef AMPFUSED_TORCH_VERSION
 #define AMPFUSED_TORCH_VERSION "unknown"
 #endif
@@ -117,11 +112,7 @@ void bump(py::list params, uintptr_t table, uintptr_t record) {
 }
 
 py::dict build_info() {
-  py::dict d;
-  d["version"] = AMPFUSED_VERSION;
-  d["sources_hash"] = AMPFUSED_SOURCES_HASH;
-  d["python"] = PY_VERSION;
-  d["compiler"] = __VERSION__;
+  py::dict d = ampfused::build_identity();
   d["torch"] = AMPFUSED_TORCH_VERSION;
   return d;
 }
