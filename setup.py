@@ -161,16 +161,31 @@ class NativeBuild(build_ext):
                 jobs.append((cmd, src, obj, src.endswith(".cu")))
                 objs.append(obj)
             links.append((ext, objs))
+        # ampfused._host is optional (the optimizers have a Python path): a failure to build it against the
+        # installed torch is reported and the install goes on without it
+        host_objs = {obj for ext, objs in links if ext.name == "ampfused._host" for obj in objs}
         try:
-            self._compile(jobs)
+            self._compile([j for j in jobs if j[2] not in host_objs])
         except subprocess.CalledProcessError as e:
             hint = " (AMPFUSED_SKIP_CUDA_BUILD=1 builds without the CUDA backend)" if any(j[3] for j in jobs) else ""
             raise RuntimeError(f"compiling ampfused's native modules failed: {e}{hint}") from None
+        built = []
         for ext, objs in links:
             out = self.get_ext_fullpath(ext.name)
             os.makedirs(os.path.dirname(out), exist_ok=True)
-            self._run([cxx, "-shared", "-o", out] + objs + ext.link_flags)
-        self._summary([ext.name for ext in self.extensions])
+            try:
+                if ext.name == "ampfused._host":
+                    self._compile([j for j in jobs if j[2] in host_objs])
+                self._run([cxx, "-shared", "-o", out] + objs + ext.link_flags)
+            except subprocess.CalledProcessError as e:
+                if ext.name != "ampfused._host":
+                    raise RuntimeError(f"linking {ext.name} failed: {e}") from None
+                SKIPPED["host"] = (f"building it against the installed torch failed ({e}); the fused optimizers use "
+                                   "their Python path")
+                continue
+            built.append(ext.name)
+        self.extensions = [ext for ext in self.extensions if ext.name in built]
+        self._summary(built)
 
     @staticmethod
     def _summary(built) -> None:
