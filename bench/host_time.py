@@ -14,7 +14,7 @@ from typing import List
 import torch
 
 import ampfused
-from ampfused.optim import _base
+from ampfused.optim import _gradients
 
 
 def time_step(tensors: int, use_host: bool, scaler_path: bool, calls: int = 20000, rounds: int = 5) -> float:
@@ -35,9 +35,9 @@ def time_step(tensors: int, use_host: bool, scaler_path: bool, calls: int = 2000
         else:
             opt.step()
 
-    saved = _base._HOST
+    saved = _gradients._HOST
     if not use_host:
-        _base._HOST = None
+        _gradients._HOST = None
     try:
         for _ in range(5):
             call()
@@ -49,12 +49,12 @@ def time_step(tensors: int, use_host: bool, scaler_path: bool, calls: int = 2000
                 call()
             times.append((time.perf_counter() - t0) / n * 1e6)
     finally:
-        _base._HOST = saved
+        _gradients._HOST = saved
     return sorted(times)[len(times) // 2]
 
 
 def table(counts: List[int], calls: int = 20000, rounds: int = 5) -> str:
-    host = _base._host() is not None
+    host = _gradients._host() is not None
     rows = ["| tensors | path | `opt.step()` | `scaler.step` + `update` |", "| --- | --- | --- | --- |"]
     for t in counts:
         for use in ([False, True] if host else [False]):

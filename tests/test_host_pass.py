@@ -10,7 +10,7 @@ import torch
 
 import ampfused
 from ampfused import _native
-from ampfused.optim import _base
+from ampfused.optim import _gradients
 from backends import cpu_backends
 from oracle import assert_bitwise
 
@@ -44,13 +44,13 @@ class _Counting:
 def counting(monkeypatch):
     mod = _native.module("host")
     spy = _Counting(mod)
-    monkeypatch.setattr(_base, "_HOST", spy)
+    monkeypatch.setattr(_gradients, "_HOST", spy)
     return spy
 
 
 @pytest.fixture
 def python_path(monkeypatch):
-    monkeypatch.setattr(_base, "_HOST", None)
+    monkeypatch.setattr(_gradients, "_HOST", None)
 
 
 def _model():
@@ -103,7 +103,7 @@ def _assert_same_run(a, b):
 def test_the_host_pass_takes_the_python_paths_step(kind, set_to_none, counting, monkeypatch):
     fast = _train(kind, set_to_none=set_to_none)
     assert counting.statuses.count(0) >= 5 * 2, counting.statuses  # the warm steps took it, both segments
-    monkeypatch.setattr(_base, "_HOST", None)
+    monkeypatch.setattr(_gradients, "_HOST", None)
     _assert_same_run(fast, _train(kind, set_to_none=set_to_none))
 
 
@@ -113,7 +113,7 @@ def test_the_host_pass_takes_the_python_paths_step(kind, set_to_none, counting, 
 def test_the_host_pass_feeds_the_triton_kernels_as_the_python_path_does(kind, counting, monkeypatch):
     fast = _train(kind, steps=4, inject_inf_at=2, backend="triton")
     assert counting.statuses.count(0) >= 3 * 2, counting.statuses
-    monkeypatch.setattr(_base, "_HOST", None)
+    monkeypatch.setattr(_gradients, "_HOST", None)
     _assert_same_run(fast, _train(kind, steps=4, inject_inf_at=2, backend="triton"))
 
 

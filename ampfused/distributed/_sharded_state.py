@@ -8,14 +8,13 @@ builds the new buffers aside before swapping them in, so a state dict that does 
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict
 
 import torch
 from torch import Tensor
 
 from ..ops import memory_view
-from ..optim import _params as P
-from ..optim._state import _check_value, _packed_groups, _saved_step
+from ..optim._state import _packed_groups, checked_entry, checked_groups
 from . import _comm as C
 
 
@@ -57,44 +56,15 @@ def export_sharded(opt) -> dict:
 
 
 def import_sharded(opt, state_dict: dict) -> None:
-    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-        raise ValueError("optimizer state_dict must be a dict with keys 'state' and 'param_groups'")
-    groups, saved_groups = opt.param_groups, state_dict["param_groups"]
-    if len(groups) != len(saved_groups):
-        raise ValueError("loaded state dict has a different number of parameter groups")
-    if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
-        raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
-                         "optimizer's group")
-    saved_state = state_dict["state"]
-    if not isinstance(saved_state, dict):
-        raise ValueError("optimizer state_dict['state'] must be a dict from parameter index to its state")
-    sid_of = {id(p): sid for g, s in zip(groups, saved_groups) for sid, p in zip(s["params"], g["params"])}
-
-    new_groups: List[dict] = []
-    for gi, (g, s) in enumerate(zip(groups, saved_groups)):
-        ng = dict(g)
-        ng.update({k: v for k, v in s.items() if k != "params"})
-        where = f" in loaded param_groups[{gi}]"
-        opt._validate_group(ng, where)
-        P.check_lr(ng["lr"], where)
-        new_groups.append(ng)
+    groups = opt.param_groups
+    saved_state, sid_of, new_groups = checked_groups(opt, state_dict)
     # every parameter's entry is checked on every rank, so all ranks accept or refuse the same state dict
     entries: Dict[int, tuple] = {}
     for s in opt._spaces:
         for p in s.params:
-            e = saved_state.get(sid_of[id(p)])
-            if not e:
-                continue
-            where = f"parameter {sid_of[id(p)]}"
-            if not isinstance(e, dict):
-                raise ValueError(f"loaded state of {where} must be a dict, got {type(e).__name__}")
-            keys = list(opt._state_keys_for_load(e))
-            missing = [k for k in keys if k not in e]
-            if missing:
-                raise ValueError(f"loaded state of {where} lacks {missing}")
-            for key in keys + (["master_param"] if "master_param" in e else []):
-                _check_value(key, e[key], p, where)
-            entries[id(p)] = (e, keys, _saved_step(opt, e, where))
+            entry = checked_entry(opt, saved_state, sid_of[id(p)], p)
+            if entry is not None:
+                entries[id(p)] = entry
 
     def in_memory_order(v: Tensor, p: Tensor) -> Tensor:
         out = torch.empty_like(p, dtype=torch.float32)  # p's strides: memory order is p's

@@ -19,10 +19,6 @@ class _ShardedAdamBase(AdamMath, ShardedFusedOptimizer):
                          max_grad_norm=max_grad_norm, master_weights=master_weights, backend=backend,
                          spike_guard=spike_guard)
 
-    def _update(self, seg, params, grads, group, partials, inv_scale, lr, max_norm) -> None:
-        self._step_op(seg, params, grads, group, partials, inv_scale, lr, max_norm,
-                      self._backend_name(seg, params, grads))
-
 
 class ShardedFusedAdam(_ShardedAdamBase):
     """Adam (L2 decay, ``torch.optim.Adam`` math) with ZeRO-1 sharding: the arguments of
@@ -53,7 +49,3 @@ class ShardedFusedSGD(SgdMath, ShardedFusedOptimizer):
         super().__init__(params, defaults, process_group=process_group, grad_reduction=grad_reduction,
                          max_grad_norm=max_grad_norm, master_weights=master_weights, backend=backend,
                          spike_guard=spike_guard)
-
-    def _update(self, seg, params, grads, group, partials, inv_scale, lr, max_norm) -> None:
-        self._step_op(seg, params, grads, group, partials, inv_scale, lr, max_norm,
-                      self._backend_name(seg, params, grads))

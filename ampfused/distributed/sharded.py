@@ -28,9 +28,9 @@ from .. import ops
 from ..guard import SpikeGuard
 from ..ops.checks import same_layout
 from ..optim import _params as P
-from ..optim._base import FusedOptimizer, ParamState, _append_flag, _on
+from ..optim._base import FusedOptimizer, _append_flag, _on
 from ..optim._segment import LOW_PRECISION, _keep_or_rebuild, layout_of
-from ..optim._state import run_load_pre_hooks, state_dict_with_hooks
+from ..optim._state import ParamState, run_load_pre_hooks, state_dict_with_hooks
 from . import _comm as C
 from ._layout import Space, build_spaces
 from ._sharded_state import export_sharded, import_sharded
@@ -318,7 +318,9 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
         torch._foreach_copy_([ops.memory_view(s.params[j]) for j in live], [s.region(s.comm, j) for j in live])
 
     def _update(self, seg, params, grads, group, partials, inv_scale, lr, max_norm) -> None:
-        raise NotImplementedError
+        """K2 over this rank's pieces of one segment; ``_step_op`` is the subclass's op (AdamMath, SgdMath)."""
+        self._step_op(seg, params, grads, group, partials, inv_scale, lr, max_norm,
+                      self._backend_name(seg, params, grads))
 
     def _backend_name(self, seg, params, grads) -> str:
         return ops.step_backend(self._device, ops._step_dtypes(params, grads, seg.master), self.backend)

@@ -5,20 +5,9 @@ layout, and their gradients are read where backward (or a framework) put them. W
 derived from them and kept in :class:`~ampfused.optim._segment.Segment` s (one per param group and dtype):
 fp32 masters for fp16/bf16 parameters, the states in flat buffers, a step count per parameter.
 
-Segments are built at the first step (or ``load_state_dict`` / ``state_dict``), from the parameters as they
-are then: a model loaded, cast or moved to its device after the optimizer was built is what gets trained.
-Before every later step a host check compares each parameter's address and version counter with what the
-segment recorded after its own last write (no pass over the weights). ``ampfused._host`` makes that check and
-writes the step's tensor tables in one C++ pass per segment (:meth:`FusedOptimizer._scan`); whatever it finds
-changed, or cannot read in place, sends the step through the Python path below, which follows it:
-
-* same place and layout, new version (``load_state_dict``, ``nn.init``, ``p.copy_``, ``p.mul_``) or new
-  place, same layout (``p.data = t``, ``share_memory``): the master is kept where it still rounds to every
-  value of the parameter, else rebuilt from the parameter's values (decided on the device, no host read);
-* new dtype, device, shape or strides (``model.to(...)``, ``.half()``, ``channels_last``), or a group's
-  parameter list changed: the group's segments are rebuilt and every state follows its parameter (moments
-  and step counts moved, masters kept or rebuilt by the same rule, created or dropped as the new dtype
-  needs). A change that cannot be followed (parameters now on several devices) raises first.
+Segments are built at the first step and follow the parameters from then on (:mod:`._follow`); each step's
+gradients are read where they are, through ``ampfused._host``'s tables or the Python path
+(:mod:`._gradients`).
 
 A step is then one ``norm_check`` over every gradient that exists (K1) and one update per segment (K2)
 whose prologue reduces the partials, skips on non-finite gradients and folds unscale and clip into one
@@ -28,90 +17,20 @@ read to the host.
 from __future__ import annotations
 
 import math
-import operator
-import os
 import weakref
-from collections import defaultdict
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import _native, ops
+from .. import ops
 from ..guard import SpikeGuard
-from ..ops.checks import same_layout
 from . import _params as P
-from ._segment import LOW_PRECISION, Segment, addresses, build_segment, is_dtensor, layout_of, local, versions
-from ._state import export_state_dict, import_state_dict, run_load_pre_hooks, state_dict_with_hooks
-
-_is = operator.is_
-
-# parameter -> weak reference to the fused optimizer that owns it (clip_grad_norm_ folds into that one's step)
-_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def owner_of(p: Tensor):
-    """The fused optimizer holding ``p``, or None."""
-    ref = _OWNERS.get(p)
-    return ref() if ref is not None else None
-
-
-def _on_parameter_registered(module: torch.nn.Module, name: str, param) -> None:
-    """A Parameter assigned into a module (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``)
-    replaces the one a fused optimizer holds: that optimizer trains the new one from its next step on."""
-    old = module._parameters.get(name) if name in module._parameters else None
-    if old is None or param is None or old is param:
-        return
-    opt = owner_of(old)
-    if opt is not None:
-        opt._replaced[old] = param
-
-
-torch.nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registered)
-
-
-_NO_GRAD = -1  # the numel column of a table row without a gradient (step_args.h)
-
-
-def _host():
-    """ampfused._host, or None where it is not built (the step then runs its Python path)."""
-    global _HOST
-    if _HOST is False:
-        try:
-            _HOST = _native.module("host")
-        except ImportError:
-            _HOST = None
-    return _HOST
-
-
-_HOST: Any = False
-
-
-def _shard_groups(params) -> tuple:
-    """For FSDP2 parameters (DTensors), the process groups of the mesh dimensions they are sharded over (the
-    norm's partial sums are summed over these; replicated dimensions hold the same values and are not);
-    ``()`` for plain parameters. ``params``: ``(group index, index, parameter)`` of every parameter."""
-    dts = [(gi, k, p) for gi, k, p in params if is_dtensor(p)]
-    if not dts:
-        return ()
-    name = lambda gi, k, p: f"param_groups[{gi}]['params'][{k}] (shape {tuple(p.shape)})"
-    if len(dts) != len(params):
-        plain = next(e for e in params if not is_dtensor(e[2]))
-        raise ValueError(f"{name(*plain)} is a plain tensor but {name(*dts[0])} is a DTensor: a fused optimizer's "
-                         "parameters must all be sharded (fully_shard the root module too) or none of them")
-    gi0, k0, p0 = dts[0]
-    mesh, placements = p0.device_mesh, tuple(p0.placements)
-    for gi, k, p in dts[1:]:
-        if p.device_mesh != mesh or tuple(p.placements) != placements:
-            raise ValueError(f"{name(gi, k, p)} is placed {tuple(p.placements)} on {p.device_mesh} but "
-                             f"{name(gi0, k0, p0)} is placed {placements} on {mesh}: a fused optimizer needs one "
-                             "mesh and one placement for all its DTensor parameters (the global norm is summed "
-                             "over the sharded dimensions)")
-    if any(not (pl.is_shard() or pl.is_replicate()) for pl in placements):
-        raise ValueError(f"{name(gi0, k0, p0)} is placed {placements}: fused optimizers take sharded or replicated "
-                         "DTensor parameters (FSDP2), not partial ones")
-    return tuple(mesh.get_group(d) for d, pl in enumerate(placements) if pl.is_shard())
+from ._follow import _OWNERS, FollowParameters
+from ._gradients import _Batch, _host, _NO_GRAD, _shard_groups, ReadGradients
+from ._segment import LOW_PRECISION, Segment, versions
+from ._state import _StateMap, export_state_dict, import_state_dict, run_load_pre_hooks, state_dict_with_hooks
 
 
 def _append_flag(partials: Tensor, flag: Tensor) -> Tensor:
@@ -123,69 +42,7 @@ def _on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
     return t if t is None or t.device == device else t.to(device, non_blocking=True)
 
 
-class ParamState(dict):
-    """``optimizer.state[p]``: views of the fused optimizer's buffers. Assigning a tensor to one of its keys
-    (as frameworks do when they move optimizer state between devices) copies the values into the buffer, so
-    the optimizer keeps using what was assigned."""
-
-    def __setitem__(self, key, value):
-        mine = self.get(key)
-        if isinstance(mine, Tensor) and isinstance(value, Tensor) and value is not mine:
-            mine, value = local(mine), local(value)  # a sharded parameter's state: this rank's shard
-            if value.numel() != mine.numel():
-                raise ValueError(f"optimizer state '{key}' must keep {mine.numel()} elements, got a tensor of shape "
-                                 f"{tuple(value.shape)}")
-            with torch.no_grad():
-                mine.copy_(value.reshape(mine.shape))
-            return
-        super().__setitem__(key, value)
-
-    def _bind(self, values: Dict[str, Tensor]) -> None:
-        for k, v in values.items():
-            dict.__setitem__(self, k, v)
-
-
-class _StateMap(defaultdict):
-    """``optimizer.state``: replacing a parameter's whole state dict copies its tensors into the buffers."""
-
-    def __setitem__(self, key, value):
-        mine = self.get(key)
-        if isinstance(mine, ParamState) and isinstance(value, dict) and value is not mine:
-            for k, v in value.items():
-                mine[k] = v
-            return
-        super().__setitem__(key, value)
-
-
-class _Batch:
-    """The gradients of one step: per segment a list with ``None`` for parameters without one, all of them
-    (what K1 reads) and their dtype names. Or, from the host pass (``tables``): the segments' tensor tables
-    hold the gradients, with ``counts`` of them per segment and ``chunks`` K1 chunks in all, for ``backend``."""
-
-    __slots__ = ("per_segment", "active", "dtypes", "tables", "counts", "chunks", "backend")
-
-    def __init__(self):
-        self.per_segment: List[List[Optional[Tensor]]] = []
-        self.active: List[Tensor] = []
-        self.dtypes: tuple = ()
-        self.tables = False
-        self.counts: List[int] = []
-        self.chunks = 0
-        self.backend = None
-
-    @property
-    def empty(self) -> bool:
-        return not any(self.counts) if self.tables else not self.active
-
-    def segment_empty(self, si: int) -> bool:
-        return self.counts[si] == 0 if self.tables else all(g is None for g in self.per_segment[si])
-
-    def keys(self) -> List[tuple]:
-        """What identifies these gradients as they are now (a cached norm stays valid while they match)."""
-        return [(g, g._version) for g in self.active]
-
-
-class FusedOptimizer(torch.optim.Optimizer):
+class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
     """Base class of the fused optimizers; subclasses define the state buffers and call the update op."""
 
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands us grad_scale / found_inf
@@ -280,302 +137,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         P.check_step_lr(group["lr"], where)
         P.check_max_grad_norm(group.get("max_grad_norm"), where)
 
-    # --- following the user's tensors ---------------------------------------------------------------------
-    def _use_master(self, dtype: torch.dtype) -> bool:
-        return self.master_weights if self.master_weights is not None else dtype in LOW_PRECISION
-
-    def _follow_parameters(self) -> None:
-        """Bring the segments in line with the parameters as they are now (see the module docstring)."""
-        groups = self.param_groups
-        if len(self._packed_groups) < len(groups):
-            self._packed_groups += [None] * (len(groups) - len(self._packed_groups))
-        if torch.compiler.is_compiling():
-            # addresses and version counters cannot be traced: a compiled step runs with the segments built
-            # by the last eager call (its guards recompile when parameters change dtype or device)
-            if any(packed is None for packed in self._packed_groups):
-                raise RuntimeError(f"{type(self).__name__}.step() is being compiled before the optimizer has seen "
-                                   "its parameters: run one eager step() (or call state_dict()) first, then "
-                                   "compile step()")
-            return
-        carried = self._take_replacements() if len(self._replaced) else {}
-        repack = set()
-        for gi, group in enumerate(groups):
-            packed = self._packed_groups[gi]
-            ps = group["params"]
-            if packed is None or len(ps) != len(packed) or not all(map(_is, ps, packed)):
-                repack.add(gi)
-        rewritten = []
-        for seg in self._segments:
-            if seg.group_index in repack:
-                continue
-            tensors = seg.tensors()
-            ptrs, vers = addresses(tensors), versions(tensors)
-            if ptrs == seg.ptrs and vers == seg.vers:
-                continue
-            for i, p in enumerate(tensors):
-                if ptrs[i] == seg.ptrs[i] and vers[i] == seg.vers[i]:
-                    continue
-                if ptrs[i] != seg.ptrs[i] and layout_of(p) != seg.layouts[i]:
-                    repack.add(seg.group_index)
-                    break
-                rewritten.append((seg, i))
-        if repack:
-            self._repack(repack, carried)
-        for seg, i in rewritten:
-            if seg.group_index not in repack:
-                seg.follow_values(i)
-        for seg in {id(s): s for s, _ in rewritten}.values():
-            if seg.group_index not in repack:
-                seg.remember()
-
-    def _take_replacements(self) -> Dict[int, Tensor]:
-        """Put the Parameters that modules now hold in place of ours into the param groups (the one already
-        held elsewhere in this optimizer, as when weights get tied, simply leaves its old slot); returns
-        ``id(new) -> old`` so the new ones take over the old ones' state."""
-        pending = {id(old): (old, new) for old, new in self._replaced.items()}
-        self._replaced = WeakIdKeyDictionary()
-        held = {id(p) for g in self.param_groups for p in g["params"]}
-        carried: Dict[int, Tensor] = {}
-        owner = weakref.ref(self)
-        for g in self.param_groups:
-            names = g.get("param_names")
-            out, out_names = [], []
-            for k, p in enumerate(g["params"]):
-                entry = pending.get(id(p))
-                new = p if entry is None else entry[1]
-                while id(new) in pending and pending[id(new)][1] is not new:  # replaced again since
-                    new = pending[id(new)][1]
-                if new is not p:
-                    if id(new) in held:
-                        continue
-                    held.add(id(new))
-                    carried[id(new)] = p
-                    _OWNERS[new] = owner
-                out.append(new)
-                if names is not None:
-                    out_names.append(names[k])
-            g["params"][:] = out
-            if names is not None:
-                g["param_names"] = out_names
-        return carried
-
-    def _repack(self, groups_to_pack: set, carried: Optional[Dict[int, Tensor]] = None) -> None:
-        """Rebuild the segments of these groups from their parameters as they are now, carrying state
-        (``carried``: ``id(new parameter) -> the parameter whose state it takes over``)."""
-        everything = [(gi, k, p) for gi, g in enumerate(self.param_groups) for k, p in enumerate(g["params"])]
-        previous = {id(p): (seg, i) for seg in self._segments for i, p in enumerate(seg.params)}
-        for new_id, old in (carried or {}).items():
-            if id(old) in previous:
-                seg, i = previous[id(old)]
-                new = next(p for g in self.param_groups for p in g["params"] if id(p) == new_id)
-                if seg.layouts[i][2] == tuple(new.shape):  # same shape: it takes over the old one's state
-                    previous[new_id] = (seg, i)
-        devices = {}
-        seen = set()
-        for gi, k, p in everything:
-            if gi in groups_to_pack:
-                P.check_param(gi, k, p)
-                if id(p) in seen:
-                    raise ValueError("some parameters appear in more than one parameter group")
-                if self.master_weights is False and p.dtype in LOW_PRECISION:
-                    raise ValueError(f"master_weights=False with a {p.dtype} parameter "
-                                     f"param_groups[{gi}]['params'][{k}] (shape {tuple(p.shape)}): low-precision "
-                                     "parameters need fp32 master weights")
-            seen.add(id(p))
-            devices.setdefault(p.device, (gi, k, p))
-            old = previous.get(id(p))
-            if old is not None and old[0].layouts[old[1]][2] != tuple(p.shape):
-                raise ValueError(f"param_groups[{gi}]['params'][{k}] changed shape from {old[0].layouts[old[1]][2]} "
-                                 f"to {tuple(p.shape)} since the optimizer last saw it: its optimizer state cannot "
-                                 "follow (torch.optim's cannot either). Give the optimizer a state dict for the new "
-                                 "shape, or build a new optimizer.")
-        if len(devices) > 1:
-            where = "; ".join(f"param_groups[{gi}]['params'][{k}] (shape {tuple(p.shape)}) is on {d}"
-                              for d, (gi, k, p) in devices.items())
-            raise ValueError(f"a fused optimizer's parameters must all be on one device, but {where}. Move the whole "
-                             "model (or every parameter given to this optimizer) to one device.")
-        shard_groups = _shard_groups(everything)
-        segments: List[Segment] = []
-        for gi, group in enumerate(self.param_groups):
-            if gi not in groups_to_pack:
-                segments += [s for s in self._segments if s.group_index == gi]
-                continue
-            by_dtype: Dict[torch.dtype, List[Tensor]] = {}
-            for p in group["params"]:
-                by_dtype.setdefault(p.dtype, []).append(p)
-            for dtype, ps in by_dtype.items():
-                segments.append(build_segment(gi, ps, self._use_master(dtype), self.state_names, previous))
-        owner = weakref.ref(self)
-        for gi in groups_to_pack:
-            self._packed_groups[gi] = list(self.param_groups[gi]["params"])
-            for p in self._packed_groups[gi]:
-                _OWNERS[p] = owner
-        kept = {id(p) for s in segments for p in s.params}
-        for seg in self._segments:
-            for p in seg.params:
-                if id(p) not in kept:
-                    self.state.pop(p, None)
-        self._segments = segments
-        self._shard_groups = shard_groups
-        self._partials_cache = None
-        if devices:
-            device = next(iter(devices))
-            if device != self._device:
-                self._make_device_tensors(device, {n: getattr(self, n) for n in
-                                                   ("_stats", "_overflow", "_steps_at_load")})
-        self._bind_state()
-
-    def _bind_state(self) -> None:
-        """``self.state[p]``: views of the segments' buffers for every parameter that has state."""
-        for seg in self._segments:
-            for i, p in enumerate(seg.params):
-                if seg.has_state[i]:
-                    self._bind_one(seg, i)
-
-    def _bind_one(self, seg: Segment, i: int) -> None:
-        p = seg.params[i]
-        values = {name: seg.state_view(flat, i) for name, flat in seg.states.items()}
-        if seg.master is not None:
-            values["master_param"] = seg.state_view(seg.master, i)
-        values["step"] = seg.steps[i]
-        st = dict.get(self.state, p)
-        if not isinstance(st, ParamState):
-            st = ParamState()
-            dict.__setitem__(self.state, p, st)
-        for stale in [k for k in st if k not in values and k in ("master_param",) + self.state_names]:
-            dict.__delitem__(st, stale)
-        st._bind(values)
-
-    def _ensure_packed(self) -> None:
-        self._follow_parameters()
-
-    def _ampfused_device(self) -> torch.device:
-        """The device the optimizer's parameters (and so its gradients) are on now."""
-        if self._segments and not len(self._replaced):  # built: the first parameter tells (the step checks all)
-            first = self.param_groups[0]["params"]
-            if first and first[0].device == self._device:
-                return self._device
-        self._follow_parameters()
-        return self._device
-
-    # --- gradients ----------------------------------------------------------------------------------------
-    def _grad_name(self, seg: Segment, i: int) -> str:
-        gi = seg.group_index
-        p = seg.params[i]
-        k = next(j for j, q in enumerate(self.param_groups[gi]["params"]) if q is p)
-        return self._param_name(gi, p, k)
-
-    def _collect(self) -> _Batch:
-        """Every segment's gradients as the kernels read them, checked (sparse, dtype, device, layout)."""
-        batch = _Batch()
-        dtypes = set()
-        for seg in self._segments:
-            if seg.sharded:
-                grads = [self._local_grad(seg, i, p.grad) for i, p in enumerate(seg.params)]
-                tensors = seg.tensors()
-            else:
-                grads = [p.grad for p in seg.params]
-                tensors = seg.params
-            dtype, where, contiguous = seg.dtype, seg.device_index, seg.contiguous
-            for i, g in enumerate(grads):
-                if g is None:
-                    continue
-                if g.dtype is not dtype or g.layout is not torch.strided or g.get_device() != where:
-                    self._refuse_grad(seg, i, g)
-                if not (g.is_contiguous() if contiguous[i] else same_layout(tensors[i], g)):
-                    # laid out unlike its parameter (assigned by hand): read a copy in the parameter's layout
-                    grads[i] = torch.empty_like(tensors[i]).copy_(g)
-                batch.active.append(grads[i])
-                dtypes.add(dtype)
-            batch.per_segment.append(grads)
-        batch.dtypes = tuple(sorted(str(d) for d in dtypes))
-        return batch
-
-    def _scan(self) -> Optional[_Batch]:
-        """The step's gradients from ampfused._host's pass over the segments (their tensor tables written in
-        place), when nothing about the parameters changed since the optimizer's last write and every gradient
-        can be read where it is; else None, and the step takes the Python path (which follows the changes,
-        copies or refuses gradients, and names what it refuses)."""
-        if torch.compiler.is_compiling() or self.track_nonfinite or self._partials_cache is not None \
-                or len(self._replaced):
-            return None
-        host = _host()
-        if host is None:
-            return None
-        groups, packed = self.param_groups, self._packed_groups
-        if len(packed) != len(groups) or not self._segments:
-            return None
-        for group, was in zip(groups, packed):
-            ps = group["params"]
-            if was is None or len(ps) != len(was) or not all(map(_is, ps, was)):
-                return None
-        backend = self._table_backend()
-        if backend is None:
-            return None
-        batch = _Batch()
-        batch.tables = True
-        batch.backend = backend
-        chunk = backend.table_chunk
-        dtypes = set()
-        for seg in self._segments:
-            status, _, active, chunks = host.scan(seg.params, seg.record_address, seg.table_address, chunk)
-            if status:
-                return None
-            batch.counts.append(active)
-            batch.chunks += chunks
-            if active:
-                dtypes.add(str(seg.dtype))
-        batch.dtypes = tuple(sorted(dtypes))
-        return batch
-
-    def _table_backend(self):
-        """The backend that runs every segment's step and K1 over any of their gradients, when it takes the
-        host pass's tables; else None. Remembered while the segments, ``backend`` and the backend registry
-        (and its environment override) stay the same."""
-        key = (id(self._segments), self.backend, os.environ.get(ops.registry.ENV_VAR), ops.registry.generation())
-        memo = self.__dict__.get("_table_memo")
-        if memo is not None and memo[0] == key and memo[1] is self._segments:
-            return memo[2]
-        found = None
-        for seg in self._segments:
-            b = ops.registry.get_backend(ops.step_backend(seg.device, seg.step_dtypes, self.backend))
-            k1 = ops.registry.get_backend(ops.step_backend(seg.device, (str(seg.dtype),), self.backend))
-            if seg.sharded or b is None or not b.takes_tables or k1 is not b or found not in (None, b):
-                found = None
-                break
-            found = b
-        if found is not None and len({s.dtype for s in self._segments}) > 1:  # K1 over several dtypes at once
-            names = tuple(sorted({str(s.dtype) for s in self._segments}))
-            if ops.registry.get_backend(ops.step_backend(self._device, names, self.backend)) is not found:
-                found = None
-        self._table_memo = (key, self._segments, found)
-        return found
-
-    def _local_grad(self, seg: Segment, i: int, g: Optional[Tensor]) -> Optional[Tensor]:
-        """A sharded parameter's gradient as the kernels read it: this rank's shard, placed like the parameter."""
-        if g is None:
-            return None
-        p = seg.params[i]
-        if not is_dtensor(g) or g.placements != p.placements or g.device_mesh != p.device_mesh:
-            where = f"{g.placements} on {g.device_mesh}" if is_dtensor(g) else "a plain tensor"
-            raise RuntimeError(f"parameter {self._grad_name(seg, i)} is a DTensor placed {p.placements} on "
-                               f"{p.device_mesh} but its gradient is {where}: the step reads the gradient's local "
-                               "shard where the parameter's is")
-        return g._local_tensor
-
-    def _refuse_grad(self, seg: Segment, i: int, g: Tensor) -> None:
-        if g.layout is not torch.strided:
-            raise RuntimeError(f"parameter {self._grad_name(seg, i)} has a sparse gradient ({g.layout}): fused "
-                               "optimizers do not take sparse gradients. Use a dense layer (for example "
-                               "nn.Embedding(sparse=False)) or give this parameter to torch.optim.SparseAdam.")
-        raise RuntimeError(f"parameter {self._grad_name(seg, i)} is {seg.dtype} on {seg.device} but its gradient is "
-                           f"{g.dtype} on {g.device}")
-
-    @staticmethod
-    def _same_grads(keys: List[tuple], batch: _Batch) -> bool:
-        return len(keys) == len(batch.active) and all(
-            k[0] is g and k[1] == g._version for k, g in zip(keys, batch.active))
-
     # --- the step -----------------------------------------------------------------------------------------
     def _lr_tensor(self, seg: Segment) -> Tensor:
         lr = self.param_groups[seg.group_index]["lr"]
@@ -641,23 +202,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         if found_inf is not None:  # e.g. all-reduced across ranks by the training script
             partials = _append_flag(partials, found_inf.float())
         return partials, inv_scale
-
-    def _k1(self, op: str, batch: _Batch, inv_scale: Tensor) -> Tensor:
-        """K1 over the step's gradients: the partials K2 reads. With FSDP2 the local shards' sums of squares
-        and non-finite flags are summed over the shards' process groups (on the device, no host read), so
-        every rank clips by the global norm and skips on an overflow anywhere."""
-        if batch.tables:
-            return batch.backend.norm_check_tables(
-                [(seg.table_address, len(seg), seg.dtype, seg.table) for seg, n in zip(self._segments, batch.counts)
-                 if n],
-                batch.chunks, inv_scale)
-        partials = ops.call_k1(op, batch.active, inv_scale, batch.dtypes, self.backend)
-        if not self._shard_groups:
-            return partials
-        summed = torch.stack([partials[0].sum(), partials[1].sum()])
-        for group in self._shard_groups:
-            torch.distributed.all_reduce(summed, op=torch.distributed.ReduceOp.SUM, group=group)
-        return summed.reshape(2, 1)
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_divisor=None, loss: Optional[Tensor] = None):
@@ -730,7 +274,9 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _update(self, seg: Segment, grads: List[Optional[Tensor]], group: dict, partials: Tensor,
                 inv_scale: Tensor, lr: Tensor, max_norm: float) -> None:
-        raise NotImplementedError
+        """K2 over one segment (the Python path); ``_step_op`` is the subclass's op (AdamMath, SgdMath)."""
+        self._step_op(seg, seg.tensors(), grads, group, partials, inv_scale, lr, max_norm,
+                      self._backend_name(seg, grads))
 
     def _backend_name(self, seg: Segment, grads: List[Optional[Tensor]]) -> str:
         return ops.step_backend(seg.device, ops._step_dtypes(seg.tensors(), grads, seg.master), self.backend)

@@ -7,6 +7,7 @@ only when all of it fits: a state dict that does not fit leaves the optimizer ex
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Dict, List
 
 import torch
@@ -14,6 +15,40 @@ from torch import Tensor
 
 from . import _params as P
 from ._segment import is_dtensor, local
+
+
+class ParamState(dict):
+    """``optimizer.state[p]``: views of the fused optimizer's buffers. Assigning a tensor to one of its keys
+    (as frameworks do when they move optimizer state between devices) copies the values into the buffer, so
+    the optimizer keeps using what was assigned."""
+
+    def __setitem__(self, key, value):
+        mine = self.get(key)
+        if isinstance(mine, Tensor) and isinstance(value, Tensor) and value is not mine:
+            mine, value = local(mine), local(value)  # a sharded parameter's state: this rank's shard
+            if value.numel() != mine.numel():
+                raise ValueError(f"optimizer state '{key}' must keep {mine.numel()} elements, got a tensor of shape "
+                                 f"{tuple(value.shape)}")
+            with torch.no_grad():
+                mine.copy_(value.reshape(mine.shape))
+            return
+        super().__setitem__(key, value)
+
+    def _bind(self, values: Dict[str, Tensor]) -> None:
+        for k, v in values.items():
+            dict.__setitem__(self, k, v)
+
+
+class _StateMap(defaultdict):
+    """``optimizer.state``: replacing a parameter's whole state dict copies its tensors into the buffers."""
+
+    def __setitem__(self, key, value):
+        mine = self.get(key)
+        if isinstance(mine, ParamState) and isinstance(value, dict) and value is not mine:
+            for k, v in value.items():
+                mine[k] = v
+            return
+        super().__setitem__(key, value)
 
 
 def _packed_groups(opt) -> tuple:
@@ -101,8 +136,9 @@ def _check_value(key: str, v, p: Tensor, where: str) -> None:
         raise ValueError(f"loaded state '{key}' of {where} has layout {v.layout}; optimizer states are dense")
 
 
-def import_state_dict(opt, state_dict: dict) -> None:
-    """``opt.load_state_dict(sd)`` from ours or from torch.optim's matching optimizer."""
+def checked_groups(opt, state_dict: dict) -> tuple:
+    """The parts of a state dict to load, its groups checked against ``opt``'s (nothing changed yet):
+    ``(saved state, id(param) -> saved index, the param groups as they will be)``."""
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("optimizer state_dict must be a dict with keys 'state' and 'param_groups'")
     groups, saved_groups = opt.param_groups, state_dict["param_groups"]
@@ -115,8 +151,6 @@ def import_state_dict(opt, state_dict: dict) -> None:
     if not isinstance(saved_state, dict):
         raise ValueError("optimizer state_dict['state'] must be a dict from parameter index to its state")
     sid_of = {id(p): sid for g, s in zip(groups, saved_groups) for sid, p in zip(s["params"], g["params"])}
-
-    # Validate everything before changing anything.
     new_groups: List[dict] = []
     for gi, (g, s) in enumerate(zip(groups, saved_groups)):
         ng = dict(g)
@@ -125,25 +159,33 @@ def import_state_dict(opt, state_dict: dict) -> None:
         opt._validate_group(ng, where)
         P.check_lr(ng["lr"], where)
         new_groups.append(ng)
-    plans = []
-    for seg in opt._segments:
-        entries = []
-        for i, p in enumerate(seg.params):
-            e = saved_state.get(sid_of[id(p)])
-            if not e:
-                entries.append(None)
-                continue
-            where = f"parameter {sid_of[id(p)]}"
-            if not isinstance(e, dict):
-                raise ValueError(f"loaded state of {where} must be a dict, got {type(e).__name__}")
-            keys = list(opt._state_keys_for_load(e))
-            missing = [k for k in keys if k not in e]
-            if missing:
-                raise ValueError(f"loaded state of {where} lacks {missing}")
-            for key in keys + (["master_param"] if "master_param" in e else []):
-                _check_value(key, e[key], p, where)
-            entries.append((e, keys, _saved_step(opt, e, where)))
-        plans.append((seg, entries))
+    return saved_state, sid_of, new_groups
+
+
+def checked_entry(opt, saved_state: dict, sid, p: Tensor):
+    """Parameter ``p``'s saved state (index ``sid``), checked: ``(entry, state keys, step)``, or None when it
+    has none."""
+    e = saved_state.get(sid)
+    if not e:
+        return None
+    where = f"parameter {sid}"
+    if not isinstance(e, dict):
+        raise ValueError(f"loaded state of {where} must be a dict, got {type(e).__name__}")
+    keys = list(opt._state_keys_for_load(e))
+    missing = [k for k in keys if k not in e]
+    if missing:
+        raise ValueError(f"loaded state of {where} lacks {missing}")
+    for key in keys + (["master_param"] if "master_param" in e else []):
+        _check_value(key, e[key], p, where)
+    return e, keys, _saved_step(opt, e, where)
+
+
+def import_state_dict(opt, state_dict: dict) -> None:
+    """``opt.load_state_dict(sd)`` from ours or from torch.optim's matching optimizer."""
+    groups = opt.param_groups
+    saved_state, sid_of, new_groups = checked_groups(opt, state_dict)  # everything checked before any change
+    plans = [(seg, [checked_entry(opt, saved_state, sid_of[id(p)], p) for p in seg.params])
+             for seg in opt._segments]
 
     # Build the new buffers aside; swap them in only once all of them are complete.
     built = []

@@ -72,9 +72,6 @@ class _FusedAdamBase(AdamMath, FusedOptimizer):
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
                          backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
 
-    def _update(self, seg, grads, group, partials, inv_scale, lr, max_norm) -> None:
-        self._step_op(seg, seg.tensors(), grads, group, partials, inv_scale, lr, max_norm, self._backend_name(seg, grads))
-
 
 class FusedAdam(_FusedAdamBase):
     """Adam with L2 weight decay (``torch.optim.Adam`` math), fp32 master weights for fp16/bf16 parameters.

@@ -72,6 +72,3 @@ class FusedSGD(SgdMath, FusedOptimizer):
         defaults = self.sgd_defaults(lr, momentum, dampening, weight_decay, nesterov, maximize, differentiable)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
                          backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
-
-    def _update(self, seg, grads, group, partials, inv_scale, lr, max_norm) -> None:
-        self._step_op(seg, seg.tensors(), grads, group, partials, inv_scale, lr, max_norm, self._backend_name(seg, grads))
