@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -166,16 +167,22 @@ def _is_operator(name: str) -> bool:
     return _OP_MARK in name and not name.startswith("[")
 
 
-def _outermost_operators(events) -> int:
-    count = 0
+def outermost_operators(events) -> "Counter[str]":
+    """Profiler events of operators (``aten::``/custom ops) not called inside another operator, by name."""
+    out: Counter = Counter()
     for e in events:
         if not _is_operator(e.name):
             continue
         p = e.cpu_parent
         while p is not None and not _is_operator(p.name):
             p = p.cpu_parent
-        count += p is None
-    return count
+        if p is None:
+            out[e.name] += 1
+    return out
+
+
+def _outermost_operators(events) -> int:
+    return sum(outermost_operators(events).values())
 
 
 def _transient_peak(prof) -> Optional[int]:

@@ -20,14 +20,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import ampfused
+from bench.measure import outermost_operators
 
 KERNELS = ("norm_check", "unscale_", "adam_step_", "sgd_step_", "update_scale_")
 # operators that read a device value to the host
 HOST_READS = ("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal")
-
-
-def _is_operator(name: str) -> bool:
-    return "::" in name and not name.startswith("[")
 
 
 def _wrap(fn, name):
@@ -98,16 +95,7 @@ class StepCounter:
 
     @staticmethod
     def _count(events) -> Counter:
-        out = Counter()
-        for e in events:
-            if not _is_operator(e.name):
-                continue
-            p = e.cpu_parent
-            while p is not None and not _is_operator(p.name):
-                p = p.cpu_parent
-            if p is None:
-                out[e.name] += 1
-        return out
+        return outermost_operators(events)
 
 
 def host_reads(counter: Counter) -> int:
