@@ -97,11 +97,9 @@ def _net():
     return Net()
 
 
-SYNC_MSG = "called a synchronizing"
-
-
 def _count_syncs(caught) -> int:
-    return sum(SYNC_MSG in str(w.message) for w in caught)
+    from .measure import SYNC_WARNING
+    return sum(SYNC_WARNING in str(w.message) for w in caught)
 
 
 def _sync_debug_one(rep: Report, device, backend: str, cls_name: str, kw: dict, steps: int) -> None:

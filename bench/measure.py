@@ -167,6 +167,23 @@ def _is_operator(name: str) -> bool:
     return _OP_MARK in name and not name.startswith("[")
 
 
+# What torch.cuda.set_sync_debug_mode("warn") says of a synchronizing operation (and only of one: switching the
+# mode on also warns once that it is a prototype, which says "Synchronization" but is no sync)
+SYNC_WARNING = "called a synchronizing"
+
+
+def device_kernels(events) -> list:
+    """The kernels among a CUDA profile's device events: copies and memsets left out, and so are the GPU-side
+    marks of user annotations (``record_function`` ranges such as ``Optimizer.step#...``, which the profiler
+    also lists as device events under the name of their CPU range)."""
+    import torch
+    cuda = torch.autograd.DeviceType.CUDA
+    host_names = {e.name for e in events if e.device_type != cuda}
+    return [e for e in events if e.device_type == cuda and e.name not in host_names
+            and not getattr(e, "is_user_annotation", False)
+            and not e.name.startswith(("Memcpy", "Memset", "[memory]"))]
+
+
 def outermost_operators(events) -> "Counter[str]":
     """Profiler events of operators (``aten::``/custom ops) not called inside another operator, by name."""
     out: Counter = Counter()
@@ -239,8 +256,7 @@ def profile_step(step: Callable[[], None], refill: Callable[[], None], device: t
         with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize(device)
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not e.name.startswith(("Memcpy", "Memset", "[memory]"))]
+        kernels = device_kernels(prof.events())
         refill()
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -254,7 +270,7 @@ def profile_step(step: Callable[[], None], refill: Callable[[], None], device: t
         finally:
             torch.cuda.set_sync_debug_mode(prev)
         torch.cuda.synchronize(device)
-        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        syncs = sum(SYNC_WARNING in str(w.message) for w in caught)
         transient = torch.cuda.max_memory_allocated(device) - before
         return StepProfile(len(kernels), syncs, transient)
     with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

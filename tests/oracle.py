@@ -17,7 +17,8 @@ def report_mismatch(name, actual, expected, bad, k=5):
 
 def assert_close_to_oracle(name, fast, ref32, ref64, floor=1e-7):
     """max|fast - ref64| <= 2 * max|ref32 - ref64| + floor * max(1, max|ref64|), NaN/inf placement equal."""
-    fast64, ref32_64, ref64 = fast.double().flatten(), ref32.double().flatten(), ref64.double().flatten()
+    # compared on the host: the oracle is computed there, the fast result may live on a device
+    fast64, ref32_64, ref64 = (t.detach().double().flatten().cpu() for t in (fast, ref32, ref64))
     assert torch.equal(torch.isnan(fast64), torch.isnan(ref64)), report_mismatch(
         name, fast64, ref64, torch.isnan(fast64) ^ torch.isnan(ref64))
     fin = torch.isfinite(ref64)

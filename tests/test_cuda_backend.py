@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import test_cpu_backend as T
+import test_cpu_backend_errors as E
 from ampfused import _native, ops
 from ampfused.ops import cuda as cuda_ops
 from ampfused.ops import reference as R
@@ -130,7 +131,7 @@ def test_update_scale_bitwise():
 
 
 def test_bad_input_rejected_before_kernels():
-    T.check_bad_inputs(DEV, "cuda")
+    E.check_bad_inputs(DEV, "cuda")
 
 
 def test_direct_backend_calls_checked_before_kernels():
@@ -138,12 +139,12 @@ def test_direct_backend_calls_checked_before_kernels():
     b = ops.get_backend("cuda")
 
     def call(**change):
-        t = T.step_tensors(DEV)
+        t = E.step_tensors(DEV)
         t.update(change)
         b.adam_step_(t["params"], t["grads"], t["master"], t["exp_avg"], t["exp_avg_sq"], t["steps"], t["partials"],
                      t["inv_scale"], t["lr"], t["out_stats"], 0.9, 0.999, 1e-8, 0.0, math.inf, True)
 
-    t = T.step_tensors(DEV)
+    t = E.step_tensors(DEV)
     with pytest.raises(ValueError, match="steps must be on a CUDA device"):
         call(steps=torch.zeros(2))
     with pytest.raises(TypeError, match="params must be a list"):
@@ -167,7 +168,7 @@ def test_direct_backend_calls_checked_before_kernels():
 
 
 def test_opcheck():
-    T.check_opcheck(DEV, "cuda")
+    E.check_opcheck(DEV, "cuda")
 
 
 # ---- single launch ------------------------------------------------------------------------------------------

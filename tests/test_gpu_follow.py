@@ -104,7 +104,10 @@ class _Data(torch.utils.data.Dataset):
 
 def _accelerate_run(opt_cls, mixed_precision, steps=40):
     accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import set_seed
+    AcceleratorState._reset_state(True)  # a fresh Accelerator per run: its mixed precision is set once a process
+    GradientState._reset_state()
     set_seed(0)
     model = _model(torch.float32)  # fp32 weights on the CPU; autocast does the low precision
     opt = opt_cls(model.parameters(), lr=1e-2, weight_decay=0.1)  # built before prepare, as the docs do it

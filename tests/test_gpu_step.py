@@ -92,8 +92,9 @@ def test_scaler_and_fused_step_captured_in_one_cuda_graph(backend):
     torch.manual_seed(0)
     shapes = [(300, 7), (5,), (64, 64)]
     runs = []
-    for _ in range(2):
-        params = [torch.randn(s, device="cuda", dtype=torch.float16, requires_grad=True) for s in shapes]
+    start = [torch.randn(s, device="cuda", dtype=torch.float16) for s in shapes]
+    for _ in range(2):  # two optimizers over equal parameters: one captured and replayed, one eager
+        params = [x.clone().requires_grad_() for x in start]
         for p in params:
             p.grad = torch.zeros_like(p)  # fixed gradient tensors: the graph reads these addresses
         opt = ampfused.FusedAdamW(params, lr=1e-2, max_grad_norm=1.0, backend=backend)

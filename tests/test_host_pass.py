@@ -39,6 +39,9 @@ class _Counting:
     def bump(self, *args):
         return self.mod.bump(*args)
 
+    def same_items(self, *args):
+        return self.mod.same_items(*args)
+
 
 @pytest.fixture
 def counting(monkeypatch):
@@ -61,8 +64,8 @@ def _model():
     return model
 
 
-def _train(kind, steps=6, set_to_none=True, inject_inf_at=3, backend="cpu"):
-    model = _model()
+def _train(kind, steps=6, set_to_none=True, inject_inf_at=3, backend="cpu", device="cpu"):
+    model = _model().to(device)
     decay = [model[0].weight, model[2].weight]
     rest = [model[0].bias, model[2].bias, model[3].weight, model[3].bias]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
@@ -70,10 +73,10 @@ def _train(kind, steps=6, set_to_none=True, inject_inf_at=3, backend="cpu"):
         opt = ampfused.FusedAdamW(groups, lr=1e-2, max_grad_norm=1.0, backend=backend)
     else:
         opt = ampfused.FusedSGD(groups, lr=1e-2, momentum=0.9, nesterov=True, max_grad_norm=1.0, backend=backend)
-    scaler = ampfused.GradScaler("cpu", init_scale=2.0 ** 8, backend=backend)
+    scaler = ampfused.GradScaler(device, init_scale=2.0 ** 8, backend=backend)
     g = torch.Generator().manual_seed(1)
     for s in range(steps):
-        x = torch.randn(8, 12, generator=g).to(torch.bfloat16)
+        x = torch.randn(8, 12, generator=g).to(device=device, dtype=torch.bfloat16)
         model[2].bias.requires_grad_(s % 2 == 0)  # a parameter without a gradient on odd steps
         loss = model(x).float().pow(2).mean()
         if s == inject_inf_at:
@@ -118,6 +121,22 @@ def test_the_host_pass_feeds_the_triton_kernels_as_the_python_path_does(kind, co
 
 
 @needs_host
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_the_host_pass_feeds_the_gpu_kernels_as_the_python_path_does(kind, backend, counting, monkeypatch):
+    """On a GPU: K1 from the segments' device tables (one launch per segment) and K2 from the same cached work
+    give the Python path's bits, a parameter without a gradient and an overflow step included."""
+    if backend not in ampfused.ops.available_backends("cuda"):
+        pytest.skip(f"backend {backend} not available on cuda")
+    fast = _train(kind, steps=6, inject_inf_at=3, backend=backend, device="cuda")
+    assert counting.statuses.count(0) >= 4 * 2, counting.statuses
+    monkeypatch.setattr(_gradients, "_HOST", None)
+    _assert_same_run(fast, _train(kind, steps=6, inject_inf_at=3, backend=backend, device="cuda"))
+
+
+@needs_host
 @needs_cpu
 def test_changes_it_cannot_read_in_place_go_to_the_python_path(counting):
     host = _native.module("host")
@@ -149,6 +168,28 @@ def test_changes_it_cannot_read_in_place_go_to_the_python_path(counting):
     w.grad = torch.randn(6, 4, dtype=torch.bfloat16).to_sparse()
     with pytest.raises(RuntimeError, match="sparse gradient"):
         opt.step()
+
+
+@needs_host
+@needs_cpu
+def test_a_parameter_swapped_in_its_groups_list_is_followed(counting):
+    """A group's list item replaced in place (same list, another Parameter) is not the segment's parameter: the
+    step takes the Python path, which follows the swap (as torch.optim steps whatever the list holds)."""
+    torch.manual_seed(0)
+    a, b = (torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16)) for _ in range(2))
+    new = torch.nn.Parameter(torch.full((8,), 2.0, dtype=torch.bfloat16))
+    opt = ampfused.FusedAdamW([a, b], lr=0.1, backend="cpu")
+    for p in (a, b, new):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.step()
+    calls = len(counting.statuses)
+    opt.param_groups[0]["params"][1] = new
+    opt.step()
+    assert len(counting.statuses) == calls  # no scan: the lists differ, the Python path ran
+    assert new in opt.state and (new.detach() < 2.0).all()  # the new parameter was stepped
+    opt.step()
+    assert len(counting.statuses) == calls + 1 and counting.statuses[-1] == 0  # back on the host pass
 
 
 @needs_host
@@ -203,8 +244,6 @@ def test_the_cuda_backends_table_entries_hand_its_kernels_the_rows_of_its_list_e
     """The CUDA backend's table entries (run on a GPU) from a host-pass table, checked here with the CUDA module
     replaced by a recorder: K1 gets the active gradients' addresses, sizes and dtype codes in table order, and the
     step's cached device work is built from exactly the rows ``step_table`` makes of the same tensors."""
-    import types
-
     from ampfused.ops import cuda as C
 
     calls = []
@@ -224,7 +263,7 @@ def test_the_cuda_backends_table_entries_hand_its_kernels_the_rows_of_its_list_e
     monkeypatch.setattr(C, "_counter", lambda steps: 0)
     monkeypatch.setattr(C, "_capturing", lambda index: False)
     monkeypatch.setattr(C, "_device_index", lambda device: 0)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(C, "_raw_stream", lambda index: 0)
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in (3000, 5, 1500)]
@@ -241,20 +280,27 @@ def test_the_cuda_backends_table_entries_hand_its_kernels_the_rows_of_its_list_e
     assert seg.table.reshape(-1).tolist() == rows
 
     inv = torch.ones(())
+    C._works.clear()
+    uploads = C.stats["uploads"]
     partials = backend.norm_check_tables([(seg.table_address, len(seg), seg.dtype, seg.table)], 0, inv)
     (name, args), = calls
-    assert name == "norm_check"
-    assert args[:3] == ([params[0].grad.data_ptr(), params[2].grad.data_ptr()], [3000, 1500], [1, 1])
-    assert tuple(partials.shape) == (2, 3 + 2) and args[5] == 5
+    work = C._works[(0, "table", seg.table_address)]
+    assert name == "norm_check_work" and C.stats["uploads"] == uploads + 1
+    assert work.rows.tolist() == seg.table.tolist() and work.host[:len(rows)].tolist() == rows
+    # the kernels find the work lists right after the table's ints (4 per row) in the device copy
+    assert work.chunks == work.table + 8 * len(rows) and work.columns == work.chunks + 8 * work.num_chunks
+    # K1's columns: partials 0..2 of row 0 (3000 elements), 0..1 of row 2 (1500); row 1 has no gradient
+    columns = work.host[len(rows) + work.num_chunks:].tolist()
+    assert columns == [0, 1, 2, (2 << 32) | 0, (2 << 32) | 1] and work.num_columns == 5
+    assert args == (work.table, work.columns, 5, 0, 1, inv.data_ptr(), partials.data_ptr(), 5, 0, 0)
+    assert tuple(partials.shape) == (2, 5)
 
     calls.clear()
-    C._works.clear()
     st = seg.states
     backend.adam_step_table((seg.table_address, len(seg), seg.table), seg.dtype, seg.master, st["exp_avg"],
                             st["exp_avg_sq"], seg.steps, partials, inv, seg.lr, opt._stats, 0.9, 0.999, 1e-8, 0.0,
                             float("inf"), True, False)
     (name, args), = calls
-    work = C._works[(0, seg.steps.data_ptr())]
-    assert name == "adam_step" and work.rows == rows
-    assert work.host[:len(rows)].tolist() == rows
+    assert name == "adam_step" and C._works[(0, "table", seg.table_address)] is work  # K1's upload, reused
+    assert C.stats["uploads"] == uploads + 1
     assert args[:5] == (work.table, 3, 1, 1, seg.master.data_ptr())

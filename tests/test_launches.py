@@ -11,6 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import ampfused
 from backends import cpu_backends
+from bench.measure import device_kernels
 
 # operators that launch no kernel: allocation, views, conversions to the dtype/device a tensor already has
 NO_KERNEL = {"aten::empty", "aten::select", "aten::as_strided", "aten::view", "aten::alias", "aten::detach",
@@ -84,8 +85,7 @@ def test_kernels_per_step_on_the_gpu(backend):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                and not e.name.startswith(("Memcpy", "Memset", "[memory]"))]
+        return [e.name for e in device_kernels(prof.events())]
 
     plain = kernels(opt.step)
     assert len(plain) == 2, plain

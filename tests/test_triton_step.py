@@ -539,10 +539,11 @@ def test_cuda_graph_replay_matches_eager():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step(graphed)
+    other_grads = [None if g is None else g.clone() for g in grads]  # new addresses: a table never uploaded
+    partials = torch.tensor([[1.0], [0.0]], device=DEVICE)
     with pytest.raises(RuntimeError, match="while a CUDA graph is being captured"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            run_step("adam", graphed, [None if g is None else g.clone() for g in grads],
-                     torch.tensor([[1.0], [0.0]], device=DEVICE), inv, lr, kw, "triton")
+            run_step("adam", graphed, other_grads, partials, inv, lr, kw, "triton")
     backend().step_tables.clear()  # the captured tables stay alive for the graph
     for _ in range(3):
         graph.replay()

@@ -2,13 +2,17 @@
 
 K1 (``norm_check``/``unscale_``): a bounded grid, one block per partial; a tensor of ``n`` elements gets
 ``min(ceil(n / TILE), MAX_PARTIALS_PER_TENSOR)`` partials whose bits depend only on the data and sizes. A dense
-gradient (any dimension order) is read in memory order where it lives.
+gradient (any dimension order) is read in memory order where it lives. The ops take the gradients' addresses as
+launch arguments, in launches of up to 48 tensors; the fused optimizers' K1 (``norm_check_tables``) reads them
+from the device copy of a segment's tensor table instead (its K1 column list, below): one launch per segment,
+the same partials.
 
 K2 (the step) is one launch over all parameters of a step. Their addresses travel in the tensor table
 (``step_args.h``), kept in device memory together with two work lists built from it here: the *chunks* (every
 ``STEP_CHUNK`` elements of every parameter that has a gradient, as ``row << WORK_SHIFT | chunk``) and the K1
-*columns* (every partial of those gradients, as ``row << WORK_SHIFT | j``, for ``single_launch``). They are
-cached per step tensor (one per optimizer): a step whose table is the same list of ints as the last one reuses
+*columns* (every partial of those gradients, as ``row << WORK_SHIFT | j``, for ``single_launch`` and the fused
+optimizers' K1). They are cached per step tensor (one per optimizer), or for the fused optimizers per segment
+table (compared with one vectorised numpy compare): a step whose table is the same list of ints as the last one reuses
 the device copy, so a warm step uploads and allocates nothing; a changed table is uploaded, ordered on
 ``torch.cuda.current_stream()``; a changed table while a CUDA graph is being captured is an error (a captured
 step must see the tensors of its warm-up). The kernel is a persistent grid (at most the blocks resident on the
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+import numpy
 import torch
 from torch import Tensor
 
@@ -96,9 +101,9 @@ class _Work:
                  "streams", "captured")
 
     def __init__(self, rows, codes, host: Tensor, dev: Tensor, num_chunks: int, num_columns: int, stream: int):
-        self.rows, self.codes, self.host, self.dev = rows, codes, host, dev
+        self.rows, self.codes, self.host, self.dev = rows, codes, host, dev  # rows: what a later table is compared with
         self.table = dev.data_ptr()
-        self.chunks = self.table + 8 * len(rows)
+        self.chunks = self.table + 8 * (host.numel() - num_chunks - num_columns)  # past the table's ints
         self.num_chunks = num_chunks
         self.columns = self.chunks + 8 * num_chunks
         self.num_columns = num_columns
@@ -109,6 +114,13 @@ class _Work:
 def _retire(work: "_Work") -> None:
     if work.captured:
         _kept_for_graphs.append(work.dev)
+
+
+def _raw_stream(index: int) -> int:
+    """The handle (cudaStream_t) of the current stream of device ``index``: what the module launches on. The
+    C-level query: torch.cuda.current_stream() builds a Stream object, a cost that shows in a step's host time."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
 def _capturing(index: int) -> bool:
@@ -141,21 +153,38 @@ class CudaBackend(CpuBackend):
             self._mod().prepare(index)
             _slab(device)
             _prepared.add(index)
-        return (index, torch.cuda.current_stream(device).cuda_stream)
+        return (index, _raw_stream(index))
 
     def _scalar_device_args(self, device: torch.device) -> tuple:
         return self._device_args(device)
 
     # ---- the step ------------------------------------------------------------------------------------
     def _work(self, rows: List[int], codes, steps: Tensor, check) -> _Work:
-        """The cached device work of this step, uploaded first when its table (``rows``) changed (``check``
-        validates the tensors before a new table is built)."""
-        index = _device_index(steps.device)
-        key = (index, steps.data_ptr())
-        stream = torch.cuda.current_stream(steps.device)
+        """The cached device work of this step call site (its step tensor), uploaded first when its table
+        (``rows``) changed (``check`` validates the tensors before a new table is built)."""
+        key = (_device_index(steps.device), steps.data_ptr())
+        return self._cached_work(key, lambda w: w.rows == rows and w.codes == codes, lambda: rows, lambda: rows,
+                                 codes, steps.device, check)
+
+    def _table_work(self, table: numpy.ndarray, code: int, device: torch.device) -> _Work:
+        """The cached device work of a fused optimizer's segment, from its host tensor table (written in place by
+        ampfused._host before each step): reused while the table holds the ints last uploaded (one vectorised
+        compare), uploaded again when any changed."""
+        key = (_device_index(device), "table", table.ctypes.data)
+        codes = (code, code)
+
+        def same(w: _Work) -> bool:
+            return w.codes == codes and w.rows.shape == table.shape and bool(numpy.array_equal(w.rows, table))
+
+        return self._cached_work(key, same, lambda: table.reshape(-1).tolist(), table.copy, codes, device,
+                                 lambda: None)
+
+    def _cached_work(self, key, same, rows_of, basis, codes, device: torch.device, check) -> _Work:
+        index = key[0]
+        stream = _raw_stream(index)
         capturing = _capturing(index)
         work = _works.get(key)
-        if work is None or work.rows != rows or work.codes != codes:
+        if work is None or not same(work):
             if capturing:
                 raise RuntimeError(
                     "the cuda backend cannot upload a new tensor table while a CUDA graph is being captured: the "
@@ -164,12 +193,12 @@ class CudaBackend(CpuBackend):
                     "with exactly these tensors before capturing it (the usual warm-up)")
             check()
             mod = self._mod()
-            host, num_chunks, num_columns = work_lists(rows, mod.STEP_CHUNK, mod.TILE, mod.MAX_PARTIALS_PER_TENSOR,
-                                                       mod.WORK_SHIFT)
-            dev = torch.empty(host.numel(), dtype=torch.int64, device=steps.device)
+            host, num_chunks, num_columns = work_lists(rows_of(), mod.STEP_CHUNK, mod.TILE,
+                                                       mod.MAX_PARTIALS_PER_TENSOR, mod.WORK_SHIFT)
+            dev = torch.empty(host.numel(), dtype=torch.int64, device=device)
             dev.copy_(host, non_blocking=True)  # ordered on the current stream; no host synchronisation
             stats["uploads"] += 1
-            new = _Work(rows, codes, host, dev, num_chunks, num_columns, stream.cuda_stream)
+            new = _Work(basis(), codes, host, dev, num_chunks, num_columns, stream)
             old = _works.pop(key, None)
             if old is not None:
                 _retire(old)
@@ -178,9 +207,9 @@ class CudaBackend(CpuBackend):
                     _retire(w)
                 _works.clear()
             work = _works[key] = new
-        elif stream.cuda_stream not in work.streams:  # freed later only after this stream's use of it
-            work.dev.record_stream(stream)
-            work.streams.add(stream.cuda_stream)
+        elif stream not in work.streams:  # freed later only after this stream's use of it
+            work.dev.record_stream(torch.cuda.current_stream(device))
+            work.streams.add(stream)
         if capturing:
             work.captured = True
         return work
@@ -233,25 +262,26 @@ class CudaBackend(CpuBackend):
 
     # ---- the fused optimizers' own tables (see cpu.py): the same kernels and cached device work -------
     def norm_check_tables(self, segments, chunks: int, inv_scale: Tensor) -> Tensor:
-        ptrs, numels, codes = [], [], []
-        for _, _, dtype, table in segments:
-            rows = table[table[:, 2] != _N.NO_GRAD]
-            n = rows[:, 2].tolist()
-            ptrs += rows[:, 1].tolist()
-            numels += n
-            codes += [_N.DTYPE_CODES[dtype]] * len(n)
-        p = self.num_partials(numels)
-        partials = torch.empty(2, p, dtype=torch.float32, device=inv_scale.device)
-        self._mod().norm_check(ptrs, numels, codes, inv_scale.data_ptr(), partials.data_ptr(), p, False,
-                               *self._device_args(inv_scale.device))
+        """K1 over the segments' gradients: one launch per segment, from the device copy of its tensor table and
+        K1 column list (the work its step reads too), into consecutive columns of one partials tensor."""
+        device = inv_scale.device
+        works = [(self._table_work(table, _N.DTYPE_CODES[dtype], device), _N.DTYPE_CODES[dtype])
+                 for _, _, dtype, table in segments]
+        p = sum(w.num_columns for w, _ in works)
+        partials = torch.empty(2, p, dtype=torch.float32, device=device)
+        where = self._device_args(device)
+        first, mod = 0, self._mod()
+        for w, code in works:
+            mod.norm_check_work(w.table, w.columns, w.num_columns, first, code, inv_scale.data_ptr(),
+                                partials.data_ptr(), p, *where)
+            first += w.num_columns
         return partials
 
     def _table_step(self, table: tuple, dtype, master, steps, partials, inv_scale, lr, out_stats):
         """What :meth:`_prepare_step` returns, from a segment's table (checked by ampfused._host) instead of
         the tensors: the device work is the cached one while the table's rows stay the same."""
-        rows = table[2].reshape(-1).tolist()
         code = _N.DTYPE_CODES[dtype]
-        work = self._work(rows, (code, code), steps, lambda: None)
+        work = self._table_work(table[2], code, steps.device)
         part = _N.partials_arg(partials)
         head = [work.table, table[1], code, code, _N.ptr(master)]
         tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], part.data_ptr(), part.shape[1], inv_scale.data_ptr(),

@@ -66,8 +66,20 @@ class TableCache:
     def get(self, site: tuple, ints, build: Callable[[], object], capturing: bool, what: str):
         """The plan of ``site`` if it was built from ``ints``, else a new one from ``build()``; refused while a
         CUDA graph is being captured (the graph would keep reading a table uploaded once, outside it)."""
+        return self._get(site, ints, build, capturing, what, lambda kept: kept == ints, lambda: ints)
+
+    def get_tables(self, site: tuple, tables: tuple, build: Callable[[], object], capturing: bool, what: str):
+        """:meth:`get` for host tensor tables (numpy arrays that ampfused._host rewrites in place each step):
+        the plan is reused while every table holds the ints it was built from (one vectorised compare each)."""
+        def same(kept) -> bool:
+            return len(kept) == len(tables) and all(
+                a.shape == b.shape and bool(numpy.array_equal(a, b)) for a, b in zip(kept, tables))
+
+        return self._get(site, tables, build, capturing, what, same, lambda: tuple(t.copy() for t in tables))
+
+    def _get(self, site: tuple, ints, build, capturing: bool, what: str, same, keep):
         slot = self._slots.get(site)
-        if slot is not None and slot[0] == ints:
+        if slot is not None and same(slot[0]):
             self._slots.move_to_end(site)
             plan = slot[1]
         else:
@@ -79,7 +91,7 @@ class TableCache:
                     "for as long as the graph is replayed")
             plan = build()
             self.builds += 1
-            self._slots[site] = (ints, plan)
+            self._slots[site] = (keep(), plan)
             self._slots.move_to_end(site)
             while len(self._slots) > self.capacity:
                 self._slots.popitem(last=False)
@@ -199,21 +211,31 @@ class TritonBackend(Backend):
 
     def norm_check_tables(self, segments, chunks: int, inv_scale: Tensor) -> Tensor:
         k1, common = _kernels("norm_check"), _kernels("_common")
-        rows: List[int] = []
-        for _, _, dtype, table in segments:
-            active = table[table[:, 2] != _native.NO_GRAD]
-            grad_rows = numpy.empty((len(active), 3), dtype=numpy.int64)  # address, numel, dtype code
-            grad_rows[:, 0], grad_rows[:, 1], grad_rows[:, 2] = active[:, 1], active[:, 2], _native.DTYPE_CODES[dtype]
-            rows += grad_rows.reshape(-1).tolist()
+        tables = tuple(table for _, _, _, table in segments)
+
+        def build():
+            rows: List[int] = []
+            for _, _, dtype, table in segments:
+                active = table[table[:, 2] != _native.NO_GRAD]
+                grad_rows = numpy.empty((len(active), 3), dtype=numpy.int64)  # address, numel, dtype code
+                grad_rows[:, 0], grad_rows[:, 1] = active[:, 1], active[:, 2]
+                grad_rows[:, 2] = _native.DTYPE_CODES[dtype]
+                rows += grad_rows.reshape(-1).tolist()
+            return common.make_plan(rows, 3, 1, (0,), k1.CHUNK, device)
+
         device = inv_scale.device
-        plan = self.grad_tables.get(
-            (device, k1.CHUNK, tuple(rows)), None,
-            lambda: common.make_plan(rows, 3, 1, (0,), k1.CHUNK, device), _capturing(device),
-            "the gradients of norm_check/unscale_")
+        site = (device, k1.CHUNK, "tables", tuple((t.ctypes.data, str(d)) for _, _, d, t in segments))
+        plan = self.grad_tables.get_tables(site, tables, build, _capturing(device),
+                                           "the gradients of norm_check/unscale_")
         return k1.run(plan, inv_scale, False)
 
     def _table_plan(self, table: tuple, steps: Tensor, chunk: int):
-        return self._plan_of_rows(table[2].reshape(-1).tolist(), steps, chunk)
+        device, array = steps.device, table[2]
+        common = _kernels("_common")
+        return self.step_tables.get_tables(
+            (device, "table", array.ctypes.data, chunk), (array,),
+            lambda: common.make_plan(array.reshape(-1).tolist(), 4, 2, (0, 1), chunk, device), _capturing(device),
+            "the parameters and gradients of a step")
 
     def adam_step_table(self, table: tuple, dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
                         out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize) -> None:

@@ -84,7 +84,8 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         self._partials_cache = None  # (grad keys, partials) left by _ampfused_unscale_ / fold clip
         self._pending_clip: Optional[float] = None
         self._nonfinite: List[Tensor] = []
-        self._calls = 0  # step() calls that had gradients, since construction or load
+        self._calls = [0]  # step() calls that had gradients, since construction or load (a list: a compiled
+        # step adds to it without setting an attribute of the optimizer)
         self._shard_groups: tuple = ()  # FSDP2: the process groups the gradients' norm and flags are summed over
 
     def _make_device_tensors(self, device: torch.device, old: Optional[dict] = None) -> None:
@@ -152,7 +153,13 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
     def _check_hyperparameters(self) -> None:
         """Hyperparameters as they are now in ``param_groups`` (schedulers and users change them); a group
         whose values are those it had at its last check (tensors: the same tensor) is not checked again."""
-        checked = self.__dict__.setdefault("_checked_hyper", {})
+        if torch.compiler.is_compiling():  # traced once per compilation: every group checked, nothing remembered
+            for gi, group in enumerate(self.param_groups):
+                self._validate_group(group, f" in param_groups[{gi}]")
+            return
+        checked = self.__dict__.get("_checked_hyper")
+        if checked is None:
+            checked = self._checked_hyper = {}
         for gi, group in enumerate(self.param_groups):
             key = [(k, id(v) if isinstance(v, Tensor) else tuple(v) if isinstance(v, list) else v)
                    for k, v in group.items() if k != "params"]  # a list is compared by a copy of its items
@@ -188,7 +195,9 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         grad_scale = _on(getattr(self, "grad_scale", None), self._device)
         given_inv = _on(getattr(self, "_ampfused_inv_scale", None), self._device)  # ampfused.GradScaler's 1/scale
         found_inf = _on(getattr(self, "found_inf", None), self._device)
-        cache, self._partials_cache = self._partials_cache, None
+        cache = self._partials_cache
+        if cache is not None:
+            self._partials_cache = None
         if cache is not None and grad_scale is None and self._same_grads(cache[0], batch):
             partials, inv_scale = cache[1], self._one  # gradients were unscaled (and measured) already
         else:
@@ -235,7 +244,9 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
                 partials = _append_flag(partials, spike.float())
             else:
                 lr_mult = torch.where(spike, guard.lr_factor, 1.0).float()
-        pending, self._pending_clip = self._pending_clip, None
+        pending = self._pending_clip
+        if pending is not None:  # (no attribute set when there is nothing to clear: a compiled step sets none)
+            self._pending_clip = None
         for si, seg in enumerate(self._segments):
             if batch.segment_empty(si):
                 continue
@@ -261,7 +272,7 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
                     self._note_state(seg, [g is not None for g in grads])
         if guard is not None:
             guard.record_(norm, loss if isinstance(loss, Tensor) else None, spike, overflow > 0)
-        self._calls += 1
+        self._calls[0] += 1
         return loss
 
     def _note_state(self, seg: Segment, stepped: List[bool]) -> None:
@@ -309,7 +320,7 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
             self.spike_guard._device is not None else torch.zeros_like(taken)
         skipped_spike = spikes if self.spike_guard is not None and self.spike_guard.action == "skip" else \
             torch.zeros_like(taken)
-        return {"steps": taken, "skipped_overflow": self._calls - taken - skipped_spike,
+        return {"steps": taken, "skipped_overflow": self._calls[0] - taken - skipped_spike,
                 "skipped_spike": skipped_spike, "spikes": spikes, "last_grad_norm": self.last_grad_norm}
 
     def _param_name(self, gi: int, p: Tensor, index: int) -> str:
@@ -397,7 +408,7 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         if self.spike_guard is not None:
             self.spike_guard.load_state_dict(state_dict.get("spike_guard", {}), self._device)
             self._spikes_at_load = float(self.spike_guard.spikes) if self.spike_guard._device is not None else 0.0
-        self._calls = 0
+        self._calls[0] = 0
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

@@ -67,16 +67,17 @@ class FollowParameters:
     def _follow_parameters(self) -> None:
         """Bring the segments in line with the parameters as they are now (see the module docstring)."""
         groups = self.param_groups
-        if len(self._packed_groups) < len(groups):
-            self._packed_groups += [None] * (len(groups) - len(self._packed_groups))
         if torch.compiler.is_compiling():
             # addresses and version counters cannot be traced: a compiled step runs with the segments built
             # by the last eager call (its guards recompile when parameters change dtype or device)
-            if any(packed is None for packed in self._packed_groups):
+            packed_groups = self._packed_groups
+            if len(packed_groups) < len(groups) or any(packed is None for packed in packed_groups):
                 raise RuntimeError(f"{type(self).__name__}.step() is being compiled before the optimizer has seen "
                                    "its parameters: run one eager step() (or call state_dict()) first, then "
                                    "compile step()")
             return
+        if len(self._packed_groups) < len(groups):
+            self._packed_groups.extend([None] * (len(groups) - len(self._packed_groups)))
         carried = self._take_replacements() if len(self._replaced) else {}
         repack = set()
         for gi, group in enumerate(groups):

@@ -9,7 +9,6 @@ parameters) K1's partials are summed over the mesh before the update reads them.
 """
 from __future__ import annotations
 
-import operator
 import os
 from typing import Any, List, Optional
 
@@ -20,7 +19,6 @@ from .. import _native, ops
 from ..ops.checks import same_layout
 from ._segment import Segment, is_dtensor
 
-_is = operator.is_
 
 _NO_GRAD = -1  # the numel column of a table row without a gradient (step_args.h)
 
@@ -144,7 +142,7 @@ class ReadGradients:
             return None
         for group, was in zip(groups, packed):
             ps = group["params"]
-            if was is None or len(ps) != len(was) or not all(map(_is, ps, was)):
+            if was is None or type(ps) is not list or not host.same_items(ps, was):
                 return None
         backend = self._table_backend()
         if backend is None:

@@ -69,6 +69,13 @@ std::string prepare(int device);
 std::string norm_check(int device, uintptr_t stream, const Tensor1* tensors, int64_t count, const float* inv_scale,
                        float* partials, int64_t num_partials, bool unscale);
 
+// K1 over the gradients of one step's tensor table in one launch: `table` and `columns` (num_columns items,
+// see WorkList) in device memory, every gradient of dtype grad_dtype; column q goes to column first_col + q
+// of the [2, P] partials. Equal to norm_check over the same gradients in table order.
+std::string norm_check_work(int device, uintptr_t stream, const int64_t* table, const int64_t* columns,
+                            int64_t num_columns, int64_t first_col, int grad_dtype, const float* inv_scale,
+                            float* partials, int64_t P);
+
 // One launch over every parameter of args.table (device memory), driven by `work` (device memory).
 // `counter`: a zeroed int32 of device workspace, one per step tensor; the kernel leaves it zero.
 // single_launch: K1 over the gradients into args.partials (then an output of [2, work.num_columns]), a grid

@@ -47,6 +47,20 @@ void norm_check(const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& 
                          unscale));
 }
 
+void norm_check_work(uintptr_t table, uintptr_t columns, int64_t num_columns, int64_t first_col, int grad_dtype,
+                     uintptr_t inv_scale, uintptr_t partials, int64_t P, int device, uintptr_t stream) {
+  if (num_columns < 0 || first_col < 0 || first_col + num_columns > P) {
+    throw std::invalid_argument("norm_check_work: columns [" + std::to_string(first_col) + ", " +
+                                std::to_string(first_col + num_columns) + ") do not fit partials of " +
+                                std::to_string(P) + " columns");
+  }
+  if (num_columns > 0 && (table == 0 || columns == 0 || inv_scale == 0 || partials == 0)) {
+    throw std::invalid_argument("norm_check_work: null tensor table, work list or tensor");
+  }
+  check(cuda::norm_check_work(device, stream, addr<const int64_t>(table), addr<const int64_t>(columns), num_columns,
+                              first_col, grad_dtype, addr<const float>(inv_scale), addr<float>(partials), P));
+}
+
 // What the launch relies on beyond the checks in ampfused/ops/cuda.py (which run first).
 cuda::WorkList work_list(const StepArgs& a, uintptr_t chunks, int64_t num_chunks, uintptr_t columns,
                          int64_t num_columns, bool single_launch) {
@@ -130,6 +144,7 @@ PYBIND11_MODULE(_C_cuda, m) {
         "load every kernel on the device and cache launch parameters (call before capturing graphs)");
   m.def("num_partials", &num_partials, py::arg("numels"));
   m.def("norm_check", &norm_check);
+  m.def("norm_check_work", &norm_check_work);
   m.def("adam_step", &adam_step);
   m.def("sgd_step", &sgd_step);
   m.def("update_scale", &update_scale_op);

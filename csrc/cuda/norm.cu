@@ -44,6 +44,25 @@ __global__ void __launch_bounds__(kThreads) k1_kernel(const K1Batch b, const flo
   }
 }
 
+// K1 of a step's tensor table (device memory) in one launch: column q of this table's partials is item q of
+// its columns list (partial j of row r), written to column first_col + q of the [2, P] partials. The same
+// partials as k1_kernel computes for the same gradients, in the same order.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) k1_columns_kernel(const int64_t* __restrict__ table,
+                                                              const int64_t* __restrict__ columns,
+                                                              int64_t num_columns, int64_t first_col,
+                                                              const float* __restrict__ inv_scale,
+                                                              float* __restrict__ partials, int64_t P) {
+  const float inv = *inv_scale;
+  for (int64_t q = blockIdx.x; q < num_columns; q += gridDim.x) {
+    const int64_t item = columns[q];
+    const int64_t* r = table + work_row(item) * kTableCols;
+    const int64_t n = r[kColNumel];
+    T* grad = reinterpret_cast<T*>(static_cast<uintptr_t>(r[kColGrad]));
+    k1_write_partial<T, false>(grad, n, partials_of(n), work_index(item), inv, partials, P, first_col + q);
+  }
+}
+
 __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker, const float* found_inf,
                                     double growth_factor, double backoff_factor, int64_t growth_interval,
                                     float* inv_scale, int64_t* skipped) {
@@ -75,6 +94,9 @@ std::string prepare_norm(int device) {
   if (!err.empty()) return err;
   cudaFuncAttributes attr;
   const void* kernels[] = {reinterpret_cast<const void*>(k1_kernel<false>), reinterpret_cast<const void*>(k1_kernel<true>),
+                           reinterpret_cast<const void*>(k1_columns_kernel<float>),
+                           reinterpret_cast<const void*>(k1_columns_kernel<bf16_t>),
+                           reinterpret_cast<const void*>(k1_columns_kernel<f16_t>),
                            reinterpret_cast<const void*>(update_scale_kernel)};
   for (const void* k : kernels) {
     const cudaError_t e = cudaFuncGetAttributes(&attr, k);
@@ -144,6 +166,33 @@ std::string norm_check(int device, uintptr_t stream, const Tensor1* tensors, int
   }
   if (col != num_partials) return "internal error: partials columns do not match num_partials";
   return "";
+}
+
+std::string norm_check_work(int device, uintptr_t stream, const int64_t* table, const int64_t* columns,
+                            int64_t num_columns, int64_t first_col, int grad_dtype, const float* inv_scale,
+                            float* partials, int64_t P) {
+  if (num_columns <= 0) return "";
+  std::string err = use_device(device);
+  if (!err.empty()) return err;
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  const int64_t most = 1 << 30;  // a grid-stride loop past this many blocks
+  const unsigned blocks = unsigned(num_columns < most ? num_columns : most);
+  switch (grad_dtype) {
+    case kBF16:
+      k1_columns_kernel<bf16_t><<<blocks, kThreads, 0, s>>>(table, columns, num_columns, first_col, inv_scale,
+                                                             partials, P);
+      break;
+    case kF16:
+      k1_columns_kernel<f16_t><<<blocks, kThreads, 0, s>>>(table, columns, num_columns, first_col, inv_scale,
+                                                            partials, P);
+      break;
+    default:
+      k1_columns_kernel<float><<<blocks, kThreads, 0, s>>>(table, columns, num_columns, first_col, inv_scale,
+                                                            partials, P);
+      break;
+  }
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? std::string() : cuda_error("norm_check launch", e);
 }
 
 std::string update_scale(int device, uintptr_t stream, float* scale, int32_t* growth_tracker, const float* found_inf,

@@ -111,6 +111,17 @@ void bump(py::list params, uintptr_t table, uintptr_t record) {
   }
 }
 
+// Whether two lists hold the same objects in the same order (identity, not equality): the optimizer's check
+// that a group's parameter list is still the one its segments were built from, without a Python loop.
+bool same_items(py::list a, py::list b) {
+  const Py_ssize_t n = PyList_GET_SIZE(a.ptr());
+  if (PyList_GET_SIZE(b.ptr()) != n) return false;
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    if (PyList_GET_ITEM(a.ptr(), k) != PyList_GET_ITEM(b.ptr(), k)) return false;
+  }
+  return true;
+}
+
 py::dict build_info() {
   py::dict d = ampfused::build_identity();
   d["torch"] = AMPFUSED_TORCH_VERSION;
@@ -128,4 +139,5 @@ PYBIND11_MODULE(_host, m) {
   m.def("build_info", &build_info);
   m.def("scan", &scan, py::arg("params"), py::arg("record"), py::arg("table"), py::arg("chunk"));
   m.def("bump", &bump, py::arg("params"), py::arg("table"), py::arg("record"));
+  m.def("same_items", &same_items, py::arg("a"), py::arg("b"));
 }

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TIMEOUT_S = 60
+SPAWN_EXTRA_S = 60  # spawned ranks (gloo on a GPU machine) import torch and ampfused themselves
 
 
 def free_port() -> int:
@@ -41,11 +42,26 @@ _PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "ampfused", "ampf
 
 
 def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT_S, backend: str = "gloo") -> None:
-    # A fork server imports torch and ampfused once per session and forks every rank from that clean process
-    # (no threads started yet): a rank starts in milliseconds instead of importing torch again.
-    mp.set_forkserver_preload(_PRELOAD + [fn.__module__])
-    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), args, backend), nprocs=world, join=False,
-                             start_method="forkserver")
+    if backend == "gloo" and torch.cuda.is_available():
+        # gloo ranks are CPU ranks, as on a machine without a GPU: on a GPU machine they start as fresh
+        # interpreters that see no device (else FSDP2 and accelerate would place the model on the GPU)
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        try:
+            ctx = mp.start_processes(_entry, args=(fn, world, free_port(), args, backend), nprocs=world,
+                                     join=False, start_method="spawn")
+        finally:
+            if hidden is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = hidden
+        timeout += SPAWN_EXTRA_S  # each rank imports torch afresh
+    else:
+        # A fork server imports torch and ampfused once per session and forks every rank from that clean process
+        # (no threads started yet): a rank starts in milliseconds instead of importing torch again.
+        mp.set_forkserver_preload(_PRELOAD + [fn.__module__])
+        ctx = mp.start_processes(_entry, args=(fn, world, free_port(), args, backend), nprocs=world, join=False,
+                                 start_method="forkserver")
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

@@ -25,7 +25,7 @@ SPIKE_NORM = 40.0  # between the clean steps' global norms (< 10) and the spiked
 def _data(world, steps=STEPS, inject=True):
     x, c = D.batches(steps, world * ROWS)
     if inject:
-        x[INF_STEP, ROWS, 0] = float("inf")  # rank 1 only
+        x[INF_STEP, ROWS % (world * ROWS), 0] = float("inf")  # rank 1 only (rank 0 in a world of one)
         c[SPIKE_STEP, :ROWS] *= 64  # rank 0 only
     return x, c
 

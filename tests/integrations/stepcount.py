@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import ampfused
-from bench.measure import outermost_operators
+from bench.measure import SYNC_WARNING, outermost_operators
 
 KERNELS = ("norm_check", "unscale_", "adam_step_", "sgd_step_", "update_scale_")
 # operators that read a device value to the host
@@ -64,7 +64,11 @@ class StepCounter:
         self.device = torch.device(device)
         self.windows: List[Counter] = []
         self.syncs: List[int] = []
+        self.sync_messages: List[List[str]] = []  # what the sync debug mode said, per window
         self._prof = None
+        if self.device.type == "cuda":  # the profiler's first start in a process sets itself up: not in a window
+            with profile(activities=[ProfilerActivity.CPU]):
+                torch.cuda.synchronize()
 
     @contextlib.contextmanager
     def kernels_named(self):
@@ -88,7 +92,9 @@ class StepCounter:
         if self.device.type == "cuda":
             torch.cuda.set_sync_debug_mode(0)
             self._caught.__exit__(None, None, None)
-            self.syncs.append(sum("synchroniz" in str(w.message) for w in self._seen))
+            said = [f"{w.category.__name__}: {w.message}" for w in self._seen if SYNC_WARNING in str(w.message)]
+            self.syncs.append(len(said))
+            self.sync_messages.append(said)
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
         self.windows.append(self._count(prof.events()))

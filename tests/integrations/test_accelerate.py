@@ -143,7 +143,7 @@ def test_clip_and_step_add_nothing_to_the_plain_ampfused_loop(device):
         assert kernel_calls(window) == {"ampfused::norm_check": 1, "ampfused::adam_step_": 1}
         assert host_reads(window) == 0
     if device == "cuda":
-        assert counter.syncs == [0] * len(counter.windows), counter.syncs
+        assert counter.syncs == [0] * len(counter.windows), counter.sync_messages
 
 
 def test_skip_answer_is_read_only_when_asked():
@@ -273,7 +273,7 @@ def test_fp16_on_cuda_with_the_accelerator_scaler(scaler):
         counter = StepCounter("cuda")
         with counter.kernels_named():
             _run(device="cuda", mixed_precision="fp16", steps=4, counter=counter)
-        assert counter.syncs == [0] * len(counter.windows), counter.syncs
+        assert counter.syncs == [0] * len(counter.windows), counter.sync_messages
 
 
 @pytest.mark.gpu

@@ -123,14 +123,15 @@ def _fp16(device, scaler="ampfused"):
 def test_bf16_mixed_clip_accumulate_match_the_torch_recipe_step_by_step(device):
     """bf16-mixed, gradient_clip_val=1.0, accumulate_grad_batches=4, infs on two steps: each step within the
     DESIGN tolerance of the recipe fed the same gradients, the norm included, skipped exactly on the inf steps."""
-    model = _fit(Model(inject=INF_AT, shadow=True), _trainer(device, plugins=[FusedMixedPrecision("bf16-mixed")]))
+    plugin = FusedMixedPrecision("bf16-mixed", device)
+    model = _fit(Model(inject=INF_AT, shadow=True), _trainer(device, plugins=[plugin]))
     assert model.skipped == [k in INF_AT for k in range(STEPS)]
     assert model.shadow.steps == STEPS - len(INF_AT)
     assert_trains(model.losses, "lightning bf16-mixed")
 
 
 def test_bf16_mixed_matches_the_same_script_with_torch_adamw():
-    ours = _fit(Model(), _trainer(plugins=[FusedMixedPrecision("bf16-mixed")]))
+    ours = _fit(Model(), _trainer(plugins=[FusedMixedPrecision("bf16-mixed", "cpu")]))
     ref = _fit(Model("torch"), _trainer(precision="bf16-mixed"))
     # Lightning refuses gradient_clip_val for torch's fused AdamW too: the other summation order is the
     # single-tensor implementation
@@ -205,7 +206,7 @@ def test_clip_and_step_add_nothing_to_the_plain_ampfused_loop(device, precision)
         assert kernel_calls(window).get(first) == 1 and kernel_calls(window).get("ampfused::adam_step_") == 1
         assert host_reads(window) == 0
     if device == "cuda":
-        assert counter.syncs == [0] * len(counter.windows), counter.syncs
+        assert counter.syncs == [0] * len(counter.windows), counter.sync_messages
 
 
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])

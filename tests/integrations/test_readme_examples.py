@@ -47,7 +47,8 @@ def test_example_runs_and_trains(index, tmp_path, monkeypatch):
     ns = {"__name__": "__main__"}
     exec(compile(EXAMPLES[index], f"README example {index + 1}", "exec"), ns)
     if package == "accelerate":
-        xs, ys = (torch.stack(t) for t in zip(*ns["loader"].dataset))
+        where = next(ns["model"].parameters()).device  # the accelerator's device: a GPU where there is one
+        xs, ys = (torch.stack(t).to(where) for t in zip(*ns["loader"].dataset))
         with torch.no_grad():
             assert _loss(ns["model"](xs), ys) < 1.1  # about ln(4) = 1.39 untrained
         assert math.isfinite(ns["grad_norm"].item())

@@ -207,7 +207,7 @@ def test_step_adds_nothing_to_the_plain_ampfused_loop(device):
             if not exact:
                 assert window == plain, (window, plain)
         if device == "cuda":
-            assert counter.syncs == [reads] * 3, counter.syncs
+            assert counter.syncs == [reads] * 3, counter.sync_messages
 
 
 def test_scheduler_on_skipped_steps():
@@ -269,7 +269,7 @@ def test_fp16_on_cuda(scaler):
         counter = StepCounter("cuda")
         with counter.kernels_named():
             _train(steps=4, device="cuda", precision="fp16", probe=_Probe(counter=counter))
-        assert counter.syncs == [0] * 3, counter.syncs
+        assert counter.syncs == [0] * 3, counter.sync_messages
 
 
 def test_fuse_checks_its_arguments():
