@@ -46,7 +46,9 @@ def plugin_class(mixed_precision: type, algorithm: type, module: str = __name__)
 
         Args:
             precision: ``"bf16-mixed"`` or ``"16-mixed"``.
-            device: the autocast device; default ``"cuda"`` when CUDA is available, else ``"cpu"``.
+            device: the autocast device. Default: the device type of the trainer's model once the strategy has
+                moved it (``accelerator="cpu"`` on a GPU machine autocasts on the CPU); ``"cuda"`` when CUDA is
+                available, else ``"cpu"``, until then.
             scaler: for ``"16-mixed"``, the loss scaler; default an :class:`ampfused.GradScaler` on ``device`` (a
                 ``torch.amp.GradScaler`` works too, with one more pass over the gradients per step).
 
@@ -58,6 +60,8 @@ def plugin_class(mixed_precision: type, algorithm: type, module: str = __name__)
 
         def __init__(self, precision: str, device: Optional[str] = None,
                      scaler: Optional[torch.amp.GradScaler] = None) -> None:
+            self._follows_model = device is None  # the device, and the default scaler's, follow the model
+            self._own_scaler = scaler is None
             if device is None:
                 device = "cuda" if torch.cuda.is_available() else "cpu"
             if not isinstance(device, str):
@@ -66,6 +70,17 @@ def plugin_class(mixed_precision: type, algorithm: type, module: str = __name__)
             if scaler is None and precision == "16-mixed":
                 scaler = GradScaler(device)
             super().__init__(precision, device, scaler)
+
+        def connect(self, model, optimizers, lr_schedulers):
+            """Called by the strategy once the model is on its device: without a ``device`` argument, autocast
+            (and the default scaler) go where the model is."""
+            if self._follows_model:
+                where = next((p.device.type for p in model.parameters()), None)
+                if where is not None and where != self.device:
+                    self.device = where
+                    if self._own_scaler and self.scaler is not None:
+                        self.scaler = GradScaler(where)
+            return super().connect(model, optimizers, lr_schedulers)
 
         def clip_gradients(self, optimizer, clip_val: Union[int, float] = 0.0,
                            gradient_clip_algorithm=algorithm.NORM) -> None:

@@ -273,6 +273,29 @@ def test_plugin_arguments():
         FusedMixedPrecision("bf16-mixed", torch.device("cpu"))
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_plugin_without_a_device_follows_the_trainers_accelerator(precision, monkeypatch):
+    """On a GPU machine the plugin's default is CUDA autocast; with accelerator="cpu" it must autocast where the
+    model is, the CPU (else the CPU model would train in fp32), and its default scaler must be a CPU one."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # built as on a GPU machine
+    plugin = FusedMixedPrecision(precision)
+    monkeypatch.undo()
+    assert plugin.device == "cuda"
+    seen = []
+
+    class Probe(Model):
+        def training_step(self, batch, batch_idx):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return super().training_step(batch, batch_idx)
+
+    _fit(Probe(), _trainer("cpu", plugins=[plugin], steps=2), steps=2)
+    assert plugin.device == "cpu" and seen and all(seen)
+    if precision == "16-mixed":
+        assert isinstance(plugin.scaler, ampfused.GradScaler) and plugin.scaler._device == "cpu"
+    else:
+        assert plugin.scaler is None
+
+
 def test_pytorch_lightning_package_takes_its_own_plugin():
     """pytorch_lightning (the standalone package) checks plugins against its own classes: its Trainer takes the
     plugin from ampfused.integrations.pytorch_lightning, and trains with the clip folded."""
