@@ -121,6 +121,31 @@ def test_the_host_pass_feeds_the_triton_kernels_as_the_python_path_does(kind, co
 
 
 @needs_host
+@pytest.mark.skipif("triton" not in cpu_backends(), reason="Triton does not run here")
+def test_warm_table_steps_reuse_the_triton_plans(counting):
+    """Steps whose tables hold the same ints (gradients refilled in place) build no new device tables; a new
+    gradient tensor (another address) builds them once more."""
+    from ampfused.ops import registry
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(40, dtype=torch.bfloat16)) for _ in range(3)]
+    opt = ampfused.FusedAdamW(params, lr=1e-3, max_grad_norm=1.0, backend="triton")
+    b = registry.get_backend("triton")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    for _ in range(2):  # the Python path's step, then the first table step
+        opt.step()
+    builds = (b.step_tables.builds, b.grad_tables.builds)
+    for _ in range(3):
+        for p in params:
+            p.grad.copy_(torch.randn_like(p))
+        opt.step()
+    assert (b.step_tables.builds, b.grad_tables.builds) == builds and counting.statuses[-3:] == [0, 0, 0]
+    params[1].grad = torch.randn_like(params[1])
+    opt.step()
+    assert (b.step_tables.builds, b.grad_tables.builds) == (builds[0] + 1, builds[1] + 1)
+
+
+@needs_host
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
@@ -286,7 +311,7 @@ def test_the_cuda_backends_table_entries_hand_its_kernels_the_rows_of_its_list_e
     (name, args), = calls
     work = C._works[(0, "table", seg.table_address)]
     assert name == "norm_check_work" and C.stats["uploads"] == uploads + 1
-    assert work.rows.tolist() == seg.table.tolist() and work.host[:len(rows)].tolist() == rows
+    assert work.rows == seg.table.tobytes() and work.host[:len(rows)].tolist() == rows
     # the kernels find the work lists right after the table's ints (4 per row) in the device copy
     assert work.chunks == work.table + 8 * len(rows) and work.columns == work.chunks + 8 * work.num_chunks
     # K1's columns: partials 0..2 of row 0 (3000 elements), 0..1 of row 2 (1500); row 1 has no gradient

@@ -12,7 +12,7 @@ K2 (the step) is one launch over all parameters of a step. Their addresses trave
 ``STEP_CHUNK`` elements of every parameter that has a gradient, as ``row << WORK_SHIFT | chunk``) and the K1
 *columns* (every partial of those gradients, as ``row << WORK_SHIFT | j``, for ``single_launch`` and the fused
 optimizers' K1). They are cached per step tensor (one per optimizer), or for the fused optimizers per segment
-table (compared with one vectorised numpy compare): a step whose table is the same list of ints as the last one reuses
+table (its bytes compared with those last uploaded): a step whose table is the same list of ints as the last one reuses
 the device copy, so a warm step uploads and allocates nothing; a changed table is uploaded, ordered on
 ``torch.cuda.current_stream()``; a changed table while a CUDA graph is being captured is an error (a captured
 step must see the tensors of its warm-up). The kernel is a persistent grid (at most the blocks resident on the
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-import numpy
 import torch
 from torch import Tensor
 
@@ -166,18 +165,15 @@ class CudaBackend(CpuBackend):
         return self._cached_work(key, lambda w: w.rows == rows and w.codes == codes, lambda: rows, lambda: rows,
                                  codes, steps.device, check)
 
-    def _table_work(self, table: numpy.ndarray, code: int, device: torch.device) -> _Work:
+    def _table_work(self, table, code: int, device: torch.device) -> _Work:
         """The cached device work of a fused optimizer's segment, from its host tensor table (written in place by
-        ampfused._host before each step): reused while the table holds the ints last uploaded (one vectorised
-        compare), uploaded again when any changed."""
+        ampfused._host before each step): reused while the table holds the ints last uploaded (its bytes compared
+        with theirs, one memcmp), uploaded again when any changed."""
         key = (_device_index(device), "table", table.ctypes.data)
         codes = (code, code)
-
-        def same(w: _Work) -> bool:
-            return w.codes == codes and w.rows.shape == table.shape and bool(numpy.array_equal(w.rows, table))
-
-        return self._cached_work(key, same, lambda: table.reshape(-1).tolist(), table.copy, codes, device,
-                                 lambda: None)
+        now = table.tobytes()
+        return self._cached_work(key, lambda w: w.rows == now and w.codes == codes,
+                                 lambda: table.reshape(-1).tolist(), lambda: now, codes, device, lambda: None)
 
     def _cached_work(self, key, same, rows_of, basis, codes, device: torch.device, check) -> _Work:
         index = key[0]

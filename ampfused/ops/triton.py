@@ -70,12 +70,9 @@ class TableCache:
 
     def get_tables(self, site: tuple, tables: tuple, build: Callable[[], object], capturing: bool, what: str):
         """:meth:`get` for host tensor tables (numpy arrays that ampfused._host rewrites in place each step):
-        the plan is reused while every table holds the ints it was built from (one vectorised compare each)."""
-        def same(kept) -> bool:
-            return len(kept) == len(tables) and all(
-                a.shape == b.shape and bool(numpy.array_equal(a, b)) for a, b in zip(kept, tables))
-
-        return self._get(site, tables, build, capturing, what, same, lambda: tuple(t.copy() for t in tables))
+        the plan is reused while every table holds the ints it was built from (their bytes compared)."""
+        now = tuple(t.tobytes() for t in tables)
+        return self._get(site, tables, build, capturing, what, lambda kept: kept == now, lambda: now)
 
     def _get(self, site: tuple, ints, build, capturing: bool, what: str, same, keep):
         slot = self._slots.get(site)
