@@ -3,7 +3,22 @@
 A fast result passes when its error against an fp64 computation is within 2x the error of the plain fp32
 reference against that fp64 computation, plus a small absolute floor (relative to the values' magnitude).
 """
+import contextlib
+
 import torch
+
+
+@contextlib.contextmanager
+def no_host_sync(enabled: bool = True):
+    """Any host synchronisation inside raises (CUDA's sync debug mode "error"); restored on the way out."""
+    if not enabled:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def report_mismatch(name, actual, expected, bad, k=5):

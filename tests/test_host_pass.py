@@ -311,7 +311,7 @@ def test_the_cuda_backends_table_entries_hand_its_kernels_the_rows_of_its_list_e
     (name, args), = calls
     work = C._works[(0, "table", seg.table_address)]
     assert name == "norm_check_work" and C.stats["uploads"] == uploads + 1
-    assert work.rows == seg.table.tobytes() and work.host[:len(rows)].tolist() == rows
+    assert work.basis == seg.table.tobytes() and work.host[:len(rows)].tolist() == rows
     # the kernels find the work lists right after the table's ints (4 per row) in the device copy
     assert work.chunks == work.table + 8 * len(rows) and work.columns == work.chunks + 8 * work.num_chunks
     # K1's columns: partials 0..2 of row 0 (3000 elements), 0..1 of row 2 (1500); row 1 has no gradient

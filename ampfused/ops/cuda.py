@@ -96,11 +96,11 @@ def work_lists(rows: List[int], chunk: int, tile: int, max_partials: int, shift:
 class _Work:
     """The device copy of one step's tensor table and work lists (one int64 tensor: table, chunks, columns)."""
 
-    __slots__ = ("rows", "codes", "host", "dev", "table", "chunks", "num_chunks", "columns", "num_columns",
+    __slots__ = ("basis", "codes", "host", "dev", "table", "chunks", "num_chunks", "columns", "num_columns",
                  "streams", "captured")
 
-    def __init__(self, rows, codes, host: Tensor, dev: Tensor, num_chunks: int, num_columns: int, stream: int):
-        self.rows, self.codes, self.host, self.dev = rows, codes, host, dev  # rows: what a later table is compared with
+    def __init__(self, basis, codes, host: Tensor, dev: Tensor, num_chunks: int, num_columns: int, stream: int):
+        self.basis, self.codes, self.host, self.dev = basis, codes, host, dev  # what a later table is compared with
         self.table = dev.data_ptr()
         self.chunks = self.table + 8 * (host.numel() - num_chunks - num_columns)  # past the table's ints
         self.num_chunks = num_chunks
@@ -115,11 +115,15 @@ def _retire(work: "_Work") -> None:
         _kept_for_graphs.append(work.dev)
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds of torch
+
+
 def _raw_stream(index: int) -> int:
     """The handle (cudaStream_t) of the current stream of device ``index``: what the module launches on. The
     C-level query: torch.cuda.current_stream() builds a Stream object, a cost that shows in a step's host time."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 def _capturing(index: int) -> bool:
@@ -162,7 +166,7 @@ class CudaBackend(CpuBackend):
         """The cached device work of this step call site (its step tensor), uploaded first when its table
         (``rows``) changed (``check`` validates the tensors before a new table is built)."""
         key = (_device_index(steps.device), steps.data_ptr())
-        return self._cached_work(key, lambda w: w.rows == rows and w.codes == codes, lambda: rows, lambda: rows,
+        return self._cached_work(key, lambda w: w.basis == rows and w.codes == codes, lambda: rows, lambda: rows,
                                  codes, steps.device, check)
 
     def _table_work(self, table, code: int, device: torch.device) -> _Work:
@@ -172,7 +176,7 @@ class CudaBackend(CpuBackend):
         key = (_device_index(device), "table", table.ctypes.data)
         codes = (code, code)
         now = table.tobytes()
-        return self._cached_work(key, lambda w: w.rows == now and w.codes == codes,
+        return self._cached_work(key, lambda w: w.basis == now and w.codes == codes,
                                  lambda: table.reshape(-1).tolist(), lambda: now, codes, device, lambda: None)
 
     def _cached_work(self, key, same, rows_of, basis, codes, device: torch.device, check) -> _Work:

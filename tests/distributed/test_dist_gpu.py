@@ -17,7 +17,7 @@ import ampfused
 import dist_data as D
 import test_dist_zero as Z
 from dist_harness import load, run_ranks, save
-from oracle import assert_bitwise
+from oracle import assert_bitwise, no_host_sync
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or not torch.distributed.is_nccl_available(),
@@ -52,13 +52,9 @@ def _train(model, wrapped, opt, dev, rows, world):
     for s in range(Z.STEPS):
         xs, cs = x[s, rows], c[s, rows]
         scaler.scale((wrapped(xs) * cs).sum() / xs.shape[0]).backward()
-        if s > 0:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync(enabled=s > 0):
             scaler.step(opt)
             scaler.update()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         skipped.append(opt.last_step_skipped.clone())
         opt.zero_grad()
     return [bool(t) for t in skipped], scaler.get_scale()

@@ -66,9 +66,6 @@ class StepCounter:
         self.syncs: List[int] = []
         self.sync_messages: List[List[str]] = []  # what the sync debug mode said, per window
         self._prof = None
-        if self.device.type == "cuda":  # the profiler's first start in a process sets itself up: not in a window
-            with profile(activities=[ProfilerActivity.CPU]):
-                torch.cuda.synchronize()
 
     @contextlib.contextmanager
     def kernels_named(self):
