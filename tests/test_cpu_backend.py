@@ -252,6 +252,18 @@ def test_awkward_sizes_step(n):
                     steps=2)
 
 
+@pytest.mark.parametrize("opt", ["adam", "sgd"])
+@pytest.mark.parametrize("pdt", [BF16, F16], ids=str)
+def test_streamed_model_copy(opt, pdt):
+    """Steps over at least STREAM_ELEMENTS elements write the model copy with streaming stores: the same bits
+    (the copy is the rounded master), for parameters at any alignment (a head and a tail around whole lines)
+    and for the small parameters of the same step."""
+    n = _native.module("cpu").STREAM_ELEMENTS
+    specs = MULTI + [((n // 2 + 3,), "offset", True, 0), ((n // 2 + 61,), "plain", True, 1)]
+    cfg = ADAM_CONFIGS["adamw-clip"] if opt == "adam" else SGD_CONFIGS["momentum-dampening-wd-clip"]
+    run_and_compare("cpu", "cpu", specs, F32 if pdt == BF16 else pdt, pdt, True, opt, cfg, steps=2)
+
+
 def test_fp64_step_counts():
     run_and_compare("cpu", "cpu", single(300), BF16, BF16, True, "adam", ADAM_CONFIGS["adamw-clip"], step_dtype=F64,
                     legacy=True)
@@ -331,6 +343,37 @@ def test_norm_check():
     check_norm_check("cpu", "cpu")
 
 
+def test_bf16_flags_at_every_position_and_isa():
+    """bf16 chunks take their non-finite flag from the raw bits (32 per vector on AVX-512): every inf and NaN
+    pattern flags its own chunk only, the largest finite values do not, wherever the element sits (first
+    vector, whole blocks, a later chunk, the tail), and every instruction set gives the same partials."""
+    mod = _native.module("cpu")
+    chunk = mod.CHUNK
+    n = 2 * chunk + 1000 + 77  # two whole chunks, then whole blocks of 128 and a tail
+    patterns = [0x7F80, 0xFF80, 0x7FC0, 0xFFFF, 0x7F81, 0x7F7F, 0xFF7F]  # +-inf, NaNs, +-largest finite
+    positions = [0, 31, 32, 127, chunk + 200, 2 * chunk + 640, n - 1]
+    base = torch.randn(n, generator=torch.Generator().manual_seed(9)).to(BF16)
+    inv = torch.tensor(1 / 64)
+    current = mod.isa()
+    try:
+        for pattern in patterns:
+            for pos in positions:
+                g = base.clone()
+                g.view(torch.int16)[pos] = pattern - 0x10000 if pattern >= 0x8000 else pattern
+                expected = torch.zeros(-(-n // chunk))
+                if pattern & 0x7FFF >= 0x7F80:
+                    expected[pos // chunk] = 1.0
+                outs = []
+                for isa in mod.supported_isas():
+                    mod.set_isa(isa)
+                    outs.append(ops.norm_check([g], inv, backend="cpu"))
+                    assert torch.equal(outs[-1][1], expected), f"{isa}: bits {pattern:#06x} at {pos}"
+                for isa, p in zip(mod.supported_isas()[1:], outs[1:]):
+                    assert_bitwise(f"{isa} partials, bits {pattern:#06x} at {pos}", outs[0], p)
+    finally:
+        mod.set_isa(current)
+
+
 def test_unscale():
     check_unscale("cpu", "cpu")
 
@@ -351,7 +394,8 @@ def check_conversions(device, backend):
     gen = torch.Generator().manual_seed(7)
     ulps = torch.randint(-2**31, 2**31 - 1, (4096,), generator=gen, dtype=torch.int64).to(torch.int32).view(F32)
     special = torch.tensor([0.5 * 2**-24, 1.5 * 2**-24, 2**-25, 65504.0, 65520.0, 65519.99, 1e-40, -0.0, 3.4e38,
-                            1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8, 2**-149, 6.1e-5, 5.96e-8])
+                            1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8, 2**-149, 6.1e-5, 5.96e-8,
+                            float("inf"), 3.3895314e38, 3.3961775e38])  # (bf16: the largest finite, a tie to inf)
     masters = torch.cat([ulps[torch.isfinite(ulps)], special, -special, torch.randn(1000, generator=gen)])
     masters = torch.cat([masters, torch.zeros((-masters.numel()) % 8)])
     for pdt in (F16, BF16):
@@ -364,7 +408,38 @@ def check_conversions(device, backend):
 
 
 def test_conversions_bitwise():
-    check_conversions("cpu", "cpu")
+    mod = _native.module("cpu")
+    current = mod.isa()
+    try:
+        for isa in mod.supported_isas():
+            mod.set_isa(isa)
+            check_conversions("cpu", "cpu")
+    finally:
+        mod.set_isa(current)
+
+
+def test_nan_masters_round_alike_on_every_isa():
+    """NaN masters (any payload, either sign) become the same quiet NaNs in the model copy on every
+    instruction set, next to ordinary values in the same 64-byte lines."""
+    payloads = torch.tensor([0x7FC00000, 0x7F800001, 0xFFC00001, 0x7FFFFFFF, 0xFF812345, 0x7FA00000],
+                            dtype=torch.int64).to(torch.int32).view(F32)
+    masters = torch.randn(96, generator=torch.Generator().manual_seed(4))
+    masters[::16] = payloads[: masters[::16].numel()]
+    mod = _native.module("cpu")
+    current, outs = mod.isa(), []
+    try:
+        for isa in mod.supported_isas():
+            mod.set_isa(isa)
+            param, master = torch.zeros(96, dtype=BF16), masters.clone()
+            ops.sgd_step_(param, torch.zeros(96, dtype=BF16), master, None, torch.tensor(0.0), torch.zeros(2, 1),
+                          torch.tensor(1.0), torch.tensor(0.0), torch.zeros(2))
+            outs.append((isa, param))
+    finally:
+        mod.set_isa(current)
+    bits = outs[0][1].view(torch.int16)
+    assert torch.isnan(outs[0][1][::16]).all() and (bits[::16] & 0x40).all()  # quiet NaNs
+    for isa, p in outs[1:]:
+        assert_bitwise(f"{isa} model copy", outs[0][1], p)
 
 
 # ---- skipped steps, determinism ---------------------------------------------------------------------------
@@ -419,8 +494,10 @@ def one_step(device, backend, n, threads=None):
         torch.set_num_threads(old)
 
 
-def test_bitwise_across_threads_runs_and_isas():
-    n = 200_003  # 13 chunks
+@pytest.mark.parametrize("streamed", [False, True])
+def test_bitwise_across_threads_runs_and_isas(streamed):
+    # 13 chunks; or a step large enough to stream its model copy out
+    n = _native.module("cpu").STREAM_ELEMENTS + 3 if streamed else 200_003
     base = one_step("cpu", "cpu", n, threads=1)
     runs = [one_step("cpu", "cpu", n, threads=2), one_step("cpu", "cpu", n, threads=2),
             one_step("cpu", "cpu", n, threads=7)]

@@ -247,6 +247,7 @@ py::dict build_info() {
   for (const Isa& i : isas()) built.append(i.name);
   d["isas"] = built;
   d["chunk"] = kChunk;
+  d["stream_elements"] = kStreamElements;
   return d;
 }
 
@@ -256,6 +257,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "ampfused CPU kernels (torch-free: raw addresses, sizes and dtype codes)";
   m.attr("CHUNK") = kChunk;
   m.attr("TABLE_COLS") = kTableCols;
+  m.attr("STREAM_ELEMENTS") = kStreamElements;
   m.attr("__version__") = AMPFUSED_VERSION;
   m.def("build_info", &build_info);
   m.def("isa", [] { return std::string(isa().name); }, "instruction set the kernels run with");

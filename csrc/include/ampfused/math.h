@@ -178,6 +178,24 @@ AF_HD void adam_update(float g, float& w, float& m, float& v, const AdamConsts& 
   v = vn;
 }
 
+// adam_update for the common case, with the L2 term off (use_l2 == 0), lerp's small-weight form
+// (lerp_small == 1) and maximize known when compiling: the same operations on the same values, so the same
+// bits, without the general form's selects. The CPU kernels run it when a step's constants allow.
+template <bool kMaximize>
+AF_HD void adam_update_plain(float g, float& w, float& m, float& v, const AdamConsts& c) {
+  g = g * c.coef;
+  g = kMaximize ? -g : g;
+  float wn = w * c.decay;
+  const float d = g - m;
+  const float mn = m + c.lerp_w * d;
+  const float vn = v * c.beta2 + (c.one_minus_beta2 * g) * g;
+  const float denom = sqrtf(vn) / c.bc2_sqrt + c.eps;
+  wn = wn - (c.step_size * mn) / denom;
+  w = wn;
+  m = mn;
+  v = vn;
+}
+
 struct SgdConsts {
   float coef, weight_decay, momentum, one_minus_dampening, lr;
   int maximize, use_wd, use_momentum, nesterov, first;
