@@ -162,9 +162,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     d = PER_DEVICE["cuda" if device.type == "cuda" else "cpu"]
+    nbytes = (args.copy_mb or d["copy_mb"]) * 2 ** 20
     opts = Options(warmup=args.warmup if args.warmup is not None else d["warmup"],
                    reps=args.reps or d["reps"], max_seconds=args.max_seconds or d["max_seconds"],
-                   check_elements=args.check_elements, keep_going=args.keep_going)
+                   check_elements=args.check_elements, keep_going=args.keep_going,
+                   yardstick=measure.Yardstick(device, nbytes))
     instances = _plan(args, device)
     variants = select(torch_variants(args.compile_budget or d["compile_budget"],
                                      compile_only(device, args, [i.workload.name for i in instances]))
@@ -177,7 +179,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.perf_counter()
     load0 = _loadavg()
 
-    nbytes = (args.copy_mb or d["copy_mb"]) * 2 ** 20
     copy0, rmw0 = measure.copy_bandwidth(device, nbytes), measure.rmw_bandwidth(device, nbytes)
     print(f"{env['device']}: copy_ {copy0:.1f} GB/s, read-modify-write {rmw0:.1f} GB/s; "
           f"{len(instances)} configurations x "
@@ -196,21 +197,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     if bar is not None:
         bar.close()
 
-    # measured again at the end; the higher of the two is the yardstick (a busy machine only lowers it)
-    copy1, rmw1 = measure.copy_bandwidth(device, nbytes), measure.rmw_bandwidth(device, nbytes)
-    copy_gbps, rmw_gbps = max(copy0, copy1), max(rmw0, rmw1)
-    report.fill_bandwidth(outcome.rows, copy_gbps, rmw_gbps)
     elapsed = time.perf_counter() - t0
     i0 = instances[0]
     recipe = (f"step: AdamW lr={i0.lr:g} betas={i0.betas} eps={i0.eps:g} weight_decay={i0.weight_decay:g}, "
               f"clip max_norm={i0.max_norm:g} where clip=true, "
               + (f"loss scaler (init scale {i0.init_scale:g}) in every variant" if i0.scaler else "no loss scaler")
               + "; bf16/fp16 models keep fp32 master weights")
-    notes = [recipe, f"bandwidth at the start / end of the run: copy_ {copy0:.1f} / {copy1:.1f} GB/s, "
-                     f"read-modify-write {rmw0:.1f} / {rmw1:.1f} GB/s (the higher is used)"] + outcome.notes + [
+    notes = [recipe, f"bandwidth at the start of the run: copy_ {copy0:.1f} GB/s, read-modify-write {rmw0:.1f} "
+                     "GB/s; each row is compared with samples taken right before and after its timed steps"]
+    notes += outcome.notes + [
         f"run took {elapsed:.0f} s; 1-minute load average before it {load0} on {os.cpu_count()} CPUs (other "
         "processes make timings noisy; the run itself then adds about one per busy thread)"]
-    text = report.summary(outcome.rows, copy_gbps, env["device"], notes, rmw_gbps)
+    text = report.summary(outcome.rows, env["device"], notes)
     print("\n" + text)
     if outcome.rows:
         report.write_csv(outcome.rows, csv_path)

@@ -6,10 +6,12 @@
   time: ``perf_counter`` around the step call alone (until it returns, kernels queued, no synchronize), the
   CPU's cost of a step; a step whose host time exceeds its GPU time leaves the GPU waiting. (On other devices
   the step's time is host time.)
-* Copy bandwidth: ``dst.copy_(src)`` of a buffer far larger than the caches, median of several, counted as
-  read + write (:func:`bench.bytes.copy_bytes`), at the start and at the end of a run; the higher of the
-  two is the yardstick, since other load on the machine can only lower it. Also reported (table and notes, not the CSV): the in-place
-  read-modify-write bandwidth, the stricter yardstick on CPUs (see :func:`rmw_bandwidth`).
+* Bandwidth: ``dst.copy_(src)`` of a buffer far larger than the caches, and the in-place read-modify-write
+  ``x.add_(1)`` of one (the stricter yardstick on CPUs, see :func:`rmw_bandwidth`), both counted as read +
+  write (:func:`bench.bytes.copy_bytes`). Sampled right before and right after each variant's timed steps
+  (:class:`Yardstick`), so every row is compared with the bandwidth of its own moment: on a shared machine
+  the bandwidth drifts by tens of percent within seconds. The CSV keeps each row's median ``copy_gbps`` and
+  ``rmw_gbps`` and its ``pct_of_copy_bw`` and ``pct_of_rmw_bw``.
 * Launches: CUDA kernels per step (device events in ``torch.profiler``). On CPU there are no launches; the
   number reported is the outermost operators dispatched per step (``aten::``/custom ops, an operator called
   inside another not counted): each foreach op or fused op is one. Code compiled by inductor on CPU calls
@@ -32,7 +34,7 @@ import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -147,6 +149,59 @@ def rmw_bandwidth(device: torch.device, nbytes: int, reps: int = 10) -> float:
     n = x.numel()
     del x
     return copy_bytes(n * 4) / (t.median / 1e3) / 1e9
+
+
+@dataclass
+class Bandwidth:
+    """``copy_`` and in-place read-modify-write GB/s sampled right before and right after a variant's timed
+    steps (:class:`Yardstick`)."""
+    copy: List[float]
+    rmw: List[float]
+
+    def pct(self, which: str, nbytes: int, timing: Timing) -> float:
+        """The step's effective bandwidth (``nbytes`` per median step) as a percentage of the median sample of
+        ``which`` ("copy" or "rmw")."""
+        return 100 * nbytes / (timing.median / 1e3) / 1e9 / statistics.median(getattr(self, which))
+
+
+class Yardstick:
+    """The bandwidths a variant's steps are compared with, measured around them (:meth:`time_steps`).
+
+    On a shared machine the memory bandwidth drifts by tens of percent within seconds, so one measurement
+    at the start of a run says little about the moment a variant was timed: ``reps`` samples of each are taken
+    right before and right after its timed steps, which themselves run back to back as a training loop runs
+    them. (Samples between the steps would not do: a step after one is slower than a step after a step, by
+    a third at 1M parameters on a shared 2-core VM, even with an untimed step in between.) The buffers, of
+    ``nbytes`` each, are far larger than the caches; they are held for the run on the CPU and allocated for
+    each sample on CUDA, so a run holds no extra device memory."""
+
+    def __init__(self, device: torch.device, nbytes: int, reps: int = 3):
+        self.device, self.n, self.reps = device, nbytes // 4, reps
+        self._held = self._buffers() if device.type != "cuda" else None
+
+    def _buffers(self):
+        src = torch.ones(self.n, dtype=torch.float32, device=self.device)
+        dst, x = torch.zeros_like(src), torch.zeros_like(src)
+        dst.copy_(src)  # first touch
+        x.add_(1.0)
+        return src, dst, x
+
+    def _gbps(self, ms: float) -> float:
+        return copy_bytes(self.n * 4) / (ms / 1e3) / 1e9
+
+    def _sample(self):
+        src, dst, x = self._held if self._held is not None else self._buffers()
+        rmw = time_steps(lambda: x.add_(1.0), lambda: None, self.device, warmup=0, reps=self.reps)
+        copy = time_steps(lambda: dst.copy_(src), lambda: None, self.device, warmup=0, reps=self.reps)
+        return [self._gbps(t) for t in copy.times_ms], [self._gbps(t) for t in rmw.times_ms]
+
+    def time_steps(self, step: Callable[[], None], refill: Callable[[], None], warmup: int, reps: int,
+                   max_seconds: float = float("inf")) -> Tuple[Timing, Bandwidth]:
+        """:func:`time_steps` between two sets of bandwidth samples."""
+        copy0, rmw0 = self._sample()
+        timing = time_steps(step, refill, self.device, warmup, reps, max_seconds)
+        copy1, rmw1 = self._sample()
+        return timing, Bandwidth(copy0 + copy1, rmw0 + rmw1)
 
 
 def storage_bytes(tensors: List[torch.Tensor]) -> int:

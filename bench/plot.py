@@ -1,33 +1,36 @@
 """Step time against parameters (log-log), one line per variant, with the roofline of the byte model.
 
 ``python -m bench.plot RESULTS.csv [-o OUT.png]``. One panel per (gradient dtype, clip); the roofline is
-``minimal_bytes / bandwidth`` (bench/bytes.py), the fastest any step can be on that machine, with the higher
-of the copy and the in-place read-modify-write bandwidths: on CPUs ``copy_`` pays a write-allocate read of its
-destination that a step mostly does not, so a roofline drawn from it alone is not a floor.
+``minimal_bytes / bandwidth`` (bench/bytes.py), the fastest any step can be on that machine, with the highest
+copy or in-place read-modify-write bandwidth measured for the panel's rows (each row's are measured around
+its own timing): on CPUs ``copy_`` pays a write-allocate read of its destination that a step mostly does not,
+so a roofline drawn from it alone is not a floor, and the highest of the run's measurements keeps it one.
 """
 from __future__ import annotations
 
 import argparse
 import os
 from collections import defaultdict
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .bytes import minimal_bytes
-from .report import read_csv
+from .report import bandwidth_range, read_csv
 from .workloads import DTYPES
 
 STYLE = {"torch-foreach": ("tab:gray", "o"), "torch-fused": ("tab:blue", "s"), "torch-compile": ("tab:purple", "^")}
 OTHER_COLORS = ["tab:red", "tab:green", "tab:orange", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"]
 
 
-def _roofline_bandwidth(row: dict) -> tuple:
-    """(GB/s, what it is): the higher of copy_ and in-place read-modify-write (older CSVs have copy_ only)."""
-    copy_gbps = float(row["copy_gbps"])
-    try:
-        rmw = float(row.get("rmw_gbps", "n/a"))
-    except ValueError:
-        rmw = 0.0
-    return (rmw, "in-place read-modify-write") if rmw > copy_gbps else (copy_gbps, "copy_")
+def roofline(rows: List[dict]) -> Tuple[float, str, Dict[int, float]]:
+    """The floor of one panel's rows (one gradient dtype): (GB/s, which bandwidth, {parameters: ms}), with the
+    highest copy_ or in-place read-modify-write bandwidth measured for them (older CSVs have copy_ only)."""
+    copy = bandwidth_range(rows, "copy_gbps")
+    rmw = bandwidth_range(rows, "rmw_gbps")
+    bw, which = (rmw[1], "in-place read-modify-write") if rmw and (not copy or rmw[1] > copy[1]) else \
+        (copy[1], "copy_")
+    g = DTYPES[rows[0]["grad_dtype"]]
+    floor = {n: minimal_bytes(n, g, g, g != DTYPES["fp32"]) / (bw * 1e9) * 1e3 for n in {int(r["numel"]) for r in rows}}
+    return bw, which, floor
 
 
 def plot_rows(rows: List[dict], out: str, title: Optional[str] = None) -> str:
@@ -54,11 +57,9 @@ def plot_rows(rows: List[dict], out: str, title: Optional[str] = None) -> str:
             y = [p[1] for p in pts]
             err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
             ax.errorbar(x, y, yerr=err, color=color, marker=marker, label=variant, capsize=2, lw=1.5)
-        bw, which = _roofline_bandwidth(sel[0])
-        g = DTYPES[dtype]
-        xs = sorted({int(r["numel"]) for r in sel})
-        roof = [minimal_bytes(n, g, g, g != DTYPES["fp32"]) / (bw * 1e9) * 1e3 for n in xs]
-        ax.plot(xs, roof, "k--", lw=1, label=f"roofline: {bw:.0f} GB/s ({which})")
+        bw, which, floor = roofline(sel)
+        xs = sorted(floor)
+        ax.plot(xs, [floor[n] for n in xs], "k--", lw=1, label=f"roofline: {bw:.0f} GB/s ({which})")
         names = {int(r["numel"]): r["workload"] for r in sel}
         for n in xs:  # workload names along the top, inside the panel, clear of the axes and their labels
             ax.annotate(names[n], (n, 0.97), xycoords=("data", "axes fraction"), fontsize=7, ha="center",

@@ -8,8 +8,8 @@ from typing import Dict, Iterable, List, Optional, Sequence
 COLUMNS = ["device", "torch", "triton", "git_sha", "workload", "numel", "tensors", "grad_dtype", "param_dtype",
            "clip", "variant", "backend", "median_ms", "p20_ms", "p80_ms", "gbps_effective", "copy_gbps",
            "pct_of_copy_bw", "speedup_vs_torch_fused", "speedup_vs_torch_foreach", "host_syncs", "launches",
-           "peak_mem_mb", "rmw_gbps", "host_ms"]
-OPTIONAL = ("rmw_gbps", "host_ms")  # columns that runs of older versions lack
+           "peak_mem_mb", "rmw_gbps", "host_ms", "pct_of_rmw_bw"]
+OPTIONAL = ("rmw_gbps", "host_ms", "pct_of_rmw_bw")  # columns that runs of older versions lack
 NA = "n/a"  # what cannot be measured here, or has no baseline to compare with
 TORCH_VARIANTS = ("torch-foreach", "torch-fused", "torch-compile")
 
@@ -28,13 +28,6 @@ def fill_speedups(rows: List[dict]) -> None:
         b = base.get(_group(r), {})
         for col, v in (("speedup_vs_torch_fused", "torch-fused"), ("speedup_vs_torch_foreach", "torch-foreach")):
             r[col] = f"{b[v] / float(r['median_ms']):.4g}" if v in b else NA
-
-
-def fill_bandwidth(rows: List[dict], copy_gbps: float, rmw_gbps: Optional[float] = None) -> None:
-    for r in rows:
-        r["copy_gbps"] = f"{copy_gbps:.4g}"
-        r["rmw_gbps"] = f"{rmw_gbps:.4g}" if rmw_gbps is not None else NA
-        r["pct_of_copy_bw"] = f"{100 * float(r['gbps_effective']) / copy_gbps:.4g}"
 
 
 def fmt(x: Optional[float], digits: int = 3) -> str:
@@ -80,19 +73,39 @@ def _host_cell(row: dict) -> str:
     return NA if host is None else f"{host:.3f}"
 
 
-def table(rows: List[dict], rmw_gbps: Optional[float] = None) -> str:
+def pct_of_rmw(row: dict) -> Optional[float]:
+    """The row's effective bandwidth as a percentage of the in-place read-modify-write bandwidth measured with
+    it (None: not measured); older CSVs have no such column, only the run's bandwidth."""
+    pct = _num(row.get("pct_of_rmw_bw", NA))
+    if pct is not None:
+        return pct
+    rmw = _num(row.get("rmw_gbps", NA))
+    return 100 * float(row["gbps_effective"]) / rmw if rmw else None
+
+
+def bandwidth_range(rows: List[dict], column: str) -> Optional[tuple]:
+    """(lowest, highest) of a bandwidth column over the rows, None when no row has it."""
+    xs = [x for x in (_num(r.get(column, NA)) for r in rows) if x]
+    return (min(xs), max(xs)) if xs else None
+
+
+def table(rows: List[dict]) -> str:
     """A fixed-width table of the results, grouped by workload, dtype and clip."""
     head = ["workload", "grad", "clip", "variant", "median ms", "p20-p80 ms", "host ms", "Mparam/s", "GB/s", "% copy",
             "% rmw", "x fused", "x foreach", "x best torch", "launches", "syncs", "peak MB"]
     body = []
     for r in rows:
         best = best_torch_speedup(rows, r)
-        rmw = NA if not rmw_gbps else f"{100 * float(r['gbps_effective']) / rmw_gbps:.4g}"
+        rmw = pct_of_rmw(r)
+        rmw = NA if rmw is None else f"{rmw:.4g}"
         body.append([r["workload"], r["grad_dtype"], r["clip"], r["variant"], f"{float(r['median_ms']):.3f}",
                      f"{float(r['p20_ms']):.3f}-{float(r['p80_ms']):.3f}", _host_cell(r),
                      f"{int(r['numel']) / float(r['median_ms']) / 1e3:.4g}", r["gbps_effective"],
                      r["pct_of_copy_bw"], rmw, r["speedup_vs_torch_fused"], r["speedup_vs_torch_foreach"],
                      NA if best is None else f"{best:.2f}", r["launches"], r["host_syncs"], r["peak_mem_mb"]])
+    if all(_num(r.get("host_ms", NA)) is None for r in rows):  # (host-timed devices: the step's time is host time)
+        keep = [k for k, h in enumerate(head) if h != "host ms"]
+        head, body = [head[k] for k in keep], [[b[k] for k in keep] for b in body]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(head, widths)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
@@ -105,19 +118,24 @@ def table(rows: List[dict], rmw_gbps: Optional[float] = None) -> str:
     return "\n".join(lines)
 
 
-def summary(rows: List[dict], copy_gbps: float, device: str, notes: List[str],
-            rmw_gbps: Optional[float] = None) -> str:
+def _span(r: Optional[tuple]) -> str:
+    return "n/a" if r is None else (f"{r[0]:.1f}" if round(r[0], 1) == round(r[1], 1) else f"{r[0]:.1f}-{r[1]:.1f}")
+
+
+def summary(rows: List[dict], device: str, notes: List[str]) -> str:
     out = [f"device: {device}",
-           f"measured bandwidth (read + write counted): copy_ {copy_gbps:.1f} GB/s"
-           + (f", in-place read-modify-write {rmw_gbps:.1f} GB/s" if rmw_gbps else ""), "",
-           table(rows, rmw_gbps) if rows else "(no measurements)"]
+           "bandwidth measured with each variant's timing (read + write counted): copy_ "
+           f"{_span(bandwidth_range(rows, 'copy_gbps'))} GB/s, in-place read-modify-write "
+           f"{_span(bandwidth_range(rows, 'rmw_gbps'))} GB/s", "",
+           table(rows) if rows else "(no measurements)"]
     if notes:
         out += ["", "notes:"] + [f"  {n}" for n in notes]
     out += ["", "GB/s counts the minimal bytes of a step (bench/bytes.py: 28 B/param, gradients read once); % copy "
             "is against copy_ (the CSV's pct_of_copy_bw), % rmw against the in-place read-modify-write bandwidth, "
-            "which a CPU's copy_ understates by its write-allocate reads; above 100% also means part of the working "
-            "set stayed in cache. x best torch is against the fastest torch variant measured; launches on CPU are "
-            "outermost operators dispatched, syncs n/a on CPU; host ms (CUDA) is the time until the step call "
-            "returned, its kernels queued: the CPU's cost of a step, n/a where the step's time is host time "
+            "which a CPU's copy_ understates by its write-allocate reads; both against the median of the row's own "
+            "samples, taken right before and after its timed steps (bench/measure.py: Yardstick); above 100% "
+            "also means part of the working set stayed in cache. x best torch is against the fastest torch variant "
+            "measured; launches on CPU are outermost operators dispatched, syncs n/a on CPU; host ms (CUDA only) is "
+            "the time until the step call returned, its kernels queued: the CPU's cost of a step "
             "(bench/measure.py)."]
     return "\n".join(out)

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import gc
+import statistics
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -22,6 +23,7 @@ class Options:
     max_seconds: float = 8.0  # per measurement, once at least 5 steps are timed
     check_elements: int = MAX_ELEMENTS
     keep_going: bool = False  # after a correctness failure, go on with the other variants (exit non-zero)
+    yardstick: Optional[measure.Yardstick] = None  # bandwidth measured with each variant's timing (rows' columns)
 
 
 @dataclass
@@ -49,12 +51,22 @@ def _row(env: dict, inst: Instance, v: Variant, timing: measure.Timing, prof: me
                 host_ms=NA if timing.host_median is None else f"{timing.host_median:.4f}",
                 gbps_effective=f"{gbps:.4g}",
                 host_syncs=NA if prof.host_syncs is None else prof.host_syncs,
-                launches=NA if prof.launches is None else prof.launches, peak_mem_mb=peak)
+                launches=NA if prof.launches is None else prof.launches, peak_mem_mb=peak,
+                copy_gbps=NA, rmw_gbps=NA, pct_of_copy_bw=NA, pct_of_rmw_bw=NA)
+
+
+def _bandwidth_columns(inst: Instance, timing: measure.Timing, bw: measure.Bandwidth) -> dict:
+    wl = inst.workload
+    nbytes = minimal_bytes(wl.numel, inst.grad_dtype, inst.param_dtype, inst.master)
+    return dict(copy_gbps=f"{statistics.median(bw.copy):.4g}", rmw_gbps=f"{statistics.median(bw.rmw):.4g}",
+                pct_of_copy_bw=f"{bw.pct('copy', nbytes, timing):.4g}",
+                pct_of_rmw_bw=f"{bw.pct('rmw', nbytes, timing):.4g}")
 
 
 def run(instances: List[Instance], variants: List[Variant], env: dict, opts: Options, progress=None) -> Outcome:
     """Measure every variant on every instance. ``progress``: a tqdm-like object (``update``, ``write``,
-    ``set_postfix_str``) or None. Rows get their bandwidth columns from :func:`report.fill_bandwidth`. Raises :class:`CorrectnessError` on the first wrong variant unless
+    ``set_postfix_str``) or None. Rows get their bandwidth columns from ``opts.yardstick``, measured with their
+    own timing (n/a without one). Raises :class:`CorrectnessError` on the first wrong variant unless
     ``opts.keep_going``."""
     rows: List[dict] = []
     notes: List[str] = []
@@ -109,12 +121,19 @@ def _measure_one(inst, v, params, plan, expected, env, opts, rows, say) -> None:
     def refill():
         runner.set_grads(grads)
 
-    timing = measure.time_steps(runner.step, refill, inst.device, opts.warmup, opts.reps, opts.max_seconds)
+    bandwidth = None
+    if opts.yardstick is not None:
+        timing, bandwidth = opts.yardstick.time_steps(runner.step, refill, opts.warmup, opts.reps, opts.max_seconds)
+    else:
+        timing = measure.time_steps(runner.step, refill, inst.device, opts.warmup, opts.reps, opts.max_seconds)
     # what the variant holds between steps: on CUDA everything it allocated (compiled code's buffers too),
     # elsewhere the storages behind its tensors
     persistent = (torch.cuda.memory_allocated(inst.device) - baseline if cuda
                   else measure.storage_bytes(runner.tensors()))
     prof = measure.profile_step(runner.step, refill, inst.device, compiled=isinstance(v, TorchCompile))
-    rows.append(_row(env, inst, v, timing, prof, persistent))
+    row = _row(env, inst, v, timing, prof, persistent)
+    if bandwidth is not None:
+        row.update(_bandwidth_columns(inst, timing, bandwidth))
+    rows.append(row)
     for n in runner.notes:
         say(f"{v.name} on {inst.label()}: {n}")

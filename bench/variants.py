@@ -15,6 +15,7 @@ The torch recipe is the one the design measures against: ``torch.amp.GradScaler`
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 import time
@@ -190,6 +191,18 @@ def deadline(seconds: float):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+class _DropProfilerNotice(logging.Filter):
+    """Dynamo says once per process that it drops the profiler range ``Optimizer.step`` opens: a fact about
+    tracing torch.optim, not about the benchmark, and a line between the progress bar and the table."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Profiler record function")
+
+
+# the logger dynamo's context-manager tracing warns through (torch/_dynamo/variables/ctx_manager.py)
+logging.getLogger("torch._dynamo.variables.ctx_manager").addFilter(_DropProfilerNotice())
 
 
 class CompiledRecipe(TorchRecipe):

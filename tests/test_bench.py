@@ -12,7 +12,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # bench/ is a directory of the repository, not part of the installed package
     sys.path.insert(0, REPO)
 
-from bench import cli, report, workloads  # noqa: E402
+from bench import cli, measure, plot, report, workloads  # noqa: E402
 from bench.ampfused_variant import ampfused_backends, ampfused_variants  # noqa: E402
 from bench.bytes import minimal_bytes_per_param, two_pass_bytes_per_param  # noqa: E402
 from bench.check import CorrectnessError, check, make_plan, run_reference  # noqa: E402
@@ -92,7 +92,8 @@ def test_end_to_end_writes_the_csv_table_and_plot(tmp_path, capsys):
     assert len(rows) == 2 * len(names.split(","))
     for r in rows:
         assert float(r["median_ms"]) > 0 and float(r["p20_ms"]) <= float(r["median_ms"]) <= float(r["p80_ms"])
-        assert float(r["copy_gbps"]) > 0 and float(r["gbps_effective"]) > 0
+        assert float(r["copy_gbps"]) > 0 and float(r["rmw_gbps"]) > 0 and float(r["gbps_effective"]) > 0
+        assert float(r["pct_of_copy_bw"]) > 0 and float(r["pct_of_rmw_bw"]) > 0
         assert r["host_syncs"] == "n/a"  # unmeasurable on CPU, and said so
         assert r["param_dtype"] == "bf16" and r["clip"] == "true"
         if r["variant"] == "torch-fused":
@@ -104,6 +105,39 @@ def test_end_to_end_writes_the_csv_table_and_plot(tmp_path, capsys):
     assert cli.main(_argv(tmp_path, "torch-fused", "--compare", str(tmp_path / "t.csv"), "--no-plot")) == 0
     out = capsys.readouterr().out
     assert "change against" in out and "only in the saved run" in out and "ampfused-" in out
+
+
+def test_each_row_is_compared_with_bandwidth_sampled_around_its_own_steps():
+    """Bandwidth samples come right before and right after a variant's timed steps, which run back to back
+    (refill, step, refill, step...), and a row's percentage is against the median of its samples."""
+    calls = []
+    y = measure.Yardstick(CPU, 1 << 20, reps=2)
+    sample = y._sample
+    y._sample = lambda: (calls.append("sample"), sample())[1]
+    timing, bw = y.time_steps(lambda: calls.append("step"), lambda: calls.append("refill"), warmup=1, reps=3)
+    assert calls == ["sample"] + ["refill", "step"] * 4 + ["sample"]
+    assert len(bw.copy) == len(bw.rmw) == 4 and min(bw.copy + bw.rmw) > 0 and len(timing.times_ms) == 3
+    timing = measure.Timing([1.0, 2.0, 4.0])
+    assert measure.Bandwidth([10.0], [5.0, 10.0, 20.0]).pct("rmw", 10 ** 7, timing) == pytest.approx(50.0)
+    assert measure.Bandwidth([10.0], [10.0]).pct("copy", 10 ** 7, timing) == pytest.approx(50.0)
+    assert report.pct_of_rmw({"gbps_effective": "30", "pct_of_rmw_bw": "40"}) == 40.0
+    assert report.pct_of_rmw({"gbps_effective": "30", "rmw_gbps": "60"}) == 50.0  # an older CSV
+    assert report.bandwidth_range([{"rmw_gbps": "30"}, {"rmw_gbps": "60"}, {}], "rmw_gbps") == (30.0, 60.0)
+
+
+COMMITTED_CPU_RUN = os.path.join(REPO, "bench", "results", "cpu-AMD-EPYC.csv")
+
+
+def test_the_committed_cpu_run_stays_above_its_roofline():
+    """The plot's roofline is a floor: no measurement of the committed CPU run is faster than its minimal bytes
+    at the highest bandwidth measured in its panel, which on a CPU is the in-place read-modify-write one."""
+    rows = report.read_csv(COMMITTED_CPU_RUN)
+    for panel in {(r["grad_dtype"], r["clip"]) for r in rows}:
+        sel = [r for r in rows if (r["grad_dtype"], r["clip"]) == panel]
+        bw, which, floor = plot.roofline(sel)
+        assert which == "in-place read-modify-write"
+        for r in sel:
+            assert float(r["median_ms"]) >= floor[int(r["numel"])], (panel, r["variant"], r["workload"], bw)
 
 
 def test_a_wrong_variant_stops_the_benchmark_loudly(tmp_path, monkeypatch, capsys):
