@@ -29,8 +29,8 @@ def roofline(rows: List[dict]) -> Tuple[float, str, Dict[int, float]]:
     bw, which = (rmw[1], "in-place read-modify-write") if rmw and (not copy or rmw[1] > copy[1]) else \
         (copy[1], "copy_")
     g = DTYPES[rows[0]["grad_dtype"]]
-    floor = {n: minimal_bytes(n, g, g, g != DTYPES["fp32"]) / (bw * 1e9) * 1e3 for n in {int(r["numel"]) for r in rows}}
-    return bw, which, floor
+    sizes = {int(r["numel"]) for r in rows}
+    return bw, which, {n: minimal_bytes(n, g, g, g != DTYPES["fp32"]) / (bw * 1e9) * 1e3 for n in sizes}
 
 
 def plot_rows(rows: List[dict], out: str, title: Optional[str] = None) -> str:

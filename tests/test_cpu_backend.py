@@ -344,7 +344,7 @@ def test_norm_check():
 
 
 def test_bf16_flags_at_every_position_and_isa():
-    """bf16 chunks take their non-finite flag from the raw bits (32 per vector on AVX-512): every inf and NaN
+    """bf16 chunks take their non-finite flag from the raw bits (16-bit lanes of the vectors): every inf and NaN
     pattern flags its own chunk only, the largest finite values do not, wherever the element sits (first
     vector, whole blocks, a later chunk, the tail), and every instruction set gives the same partials."""
     mod = _native.module("cpu")
