@@ -70,7 +70,6 @@ struct AbsMax<f16_t> {
 
 inline uint16_t abs_bits16(bf16_t x) { return uint16_t(x.bits & 0x7fffu); }
 inline uint16_t abs_bits16(f16_t x) { return uint16_t(x.bits & 0x7fffu); }
-inline uint16_t abs_bits16(float) { return 0; }  // (not used: fp32 takes abs_bits)
 
 #if defined(__AVX2__)
 // chunk_norm's whole blocks of bf16 gradients (the norm pass; not unscale_) written out for AVX2 (and run by
@@ -143,7 +142,7 @@ void chunk_norm(T* __restrict p, int64_t n, float inv_scale, double* sumsq, uint
         if (kWrite) p[i + r * kLanes + j] = from_f32<T>(u);
       }
     }
-    if (kNarrow) {
+    if constexpr (kNarrow) {
       for (int r = 0; r < kBlock / kWide; ++r) {
 #pragma omp simd
         for (int j = 0; j < kWide; ++j) {
@@ -263,10 +262,10 @@ void adam_range(const StepBufs& b, const StepTensor& t, const AdamConsts& consts
   // the common case in loops of its own: the same bits, without the general form's selects
   if (!c.use_l2 && c.lerp_small) {
     if (c.maximize) run([](float gi, float& wi, float& mi, float& vi, const AdamConsts& k) {
-      adam_update_plain<true>(gi, wi, mi, vi, k);
+      adam_update_form<true, true>(gi, wi, mi, vi, k);
     });
     else run([](float gi, float& wi, float& mi, float& vi, const AdamConsts& k) {
-      adam_update_plain<false>(gi, wi, mi, vi, k);
+      adam_update_form<true, false>(gi, wi, mi, vi, k);
     });
   } else {
     run([](float gi, float& wi, float& mi, float& vi, const AdamConsts& k) { adam_update(gi, wi, mi, vi, k); });

@@ -161,15 +161,22 @@ AF_HD AdamConsts make_adam_consts(float coef, float lr, double t, double beta1, 
   return c;
 }
 
-// reference.adam_step_, one element: g is the raw gradient in fp32; w, m, v are updated in place.
-AF_HD void adam_update(float g, float& w, float& m, float& v, const AdamConsts& c) {
+// reference.adam_step_, one element: g is the raw gradient in fp32; w, m, v are updated in place. With kPlain
+// the step's form is known when compiling: no L2 term (use_l2 == 0), lerp's small-weight form (lerp_small ==
+// 1) and maximize == kMaximize, so the selects fold away; the operations and their order are the same, so
+// are the bits. The CPU kernels run that form when a step's constants allow.
+template <bool kPlain, bool kMaximize = false>
+AF_HD void adam_update_form(float g, float& w, float& m, float& v, const AdamConsts& c) {
+  const bool maximize = kPlain ? kMaximize : c.maximize != 0;
+  const bool use_l2 = kPlain ? false : c.use_l2 != 0;
+  const bool lerp_small = kPlain ? true : c.lerp_small != 0;
   g = g * c.coef;
-  g = c.maximize ? -g : g;
-  g = c.use_l2 ? g + c.l2 * w : g;
+  g = maximize ? -g : g;
+  g = use_l2 ? g + c.l2 * w : g;
   float wn = w * c.decay;
   // torch.lerp(m, g, 1 - beta1): the form torch picks by the weight's size
   const float d = g - m;
-  const float mn = c.lerp_small ? m + c.lerp_w * d : g - d * (1.0f - c.lerp_w);
+  const float mn = lerp_small ? m + c.lerp_w * d : g - d * (1.0f - c.lerp_w);
   const float vn = v * c.beta2 + (c.one_minus_beta2 * g) * g;
   const float denom = sqrtf(vn) / c.bc2_sqrt + c.eps;
   wn = wn - (c.step_size * mn) / denom;
@@ -178,22 +185,8 @@ AF_HD void adam_update(float g, float& w, float& m, float& v, const AdamConsts& 
   v = vn;
 }
 
-// adam_update for the common case, with the L2 term off (use_l2 == 0), lerp's small-weight form
-// (lerp_small == 1) and maximize known when compiling: the same operations on the same values, so the same
-// bits, without the general form's selects. The CPU kernels run it when a step's constants allow.
-template <bool kMaximize>
-AF_HD void adam_update_plain(float g, float& w, float& m, float& v, const AdamConsts& c) {
-  g = g * c.coef;
-  g = kMaximize ? -g : g;
-  float wn = w * c.decay;
-  const float d = g - m;
-  const float mn = m + c.lerp_w * d;
-  const float vn = v * c.beta2 + (c.one_minus_beta2 * g) * g;
-  const float denom = sqrtf(vn) / c.bc2_sqrt + c.eps;
-  wn = wn - (c.step_size * mn) / denom;
-  w = wn;
-  m = mn;
-  v = vn;
+AF_HD void adam_update(float g, float& w, float& m, float& v, const AdamConsts& c) {
+  adam_update_form<false>(g, w, m, v, c);
 }
 
 struct SgdConsts {
