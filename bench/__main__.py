@@ -1,5 +1,7 @@
+"""``python -m bench``: the step benchmark (``bench.step``); ``python -m bench --distributed`` runs
+``bench.distributed`` instead."""
 import sys
 
-from .cli import main
+from .step.cli import main
 
 sys.exit(main())

@@ -11,7 +11,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # bench/ is a directory of the repository, not part of the installed package
     sys.path.insert(0, REPO)
 
-from bench import align, align_report as R, align_runs as T  # noqa: E402
+from bench.align import report as R, run as align, runs as T  # noqa: E402
 
 STEPS = 24
 TINY = ["--steps", str(STEPS), "--layers", "1", "--width", "32", "--heads", "2", "--context", "16", "--batch", "4",

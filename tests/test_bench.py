@@ -12,11 +12,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # bench/ is a directory of the repository, not part of the installed package
     sys.path.insert(0, REPO)
 
-from bench import cli, measure, plot, report, workloads  # noqa: E402
-from bench.ampfused_variant import ampfused_backends, ampfused_variants  # noqa: E402
-from bench.bytes import minimal_bytes_per_param, two_pass_bytes_per_param  # noqa: E402
-from bench.check import CorrectnessError, check, make_plan, run_reference  # noqa: E402
-from bench.variants import TorchForeach, TorchFused, TorchRecipe  # noqa: E402
+from bench.common import measure  # noqa: E402
+from bench.step import cli, plot, report, workloads  # noqa: E402
+from bench.step.ampfused_variant import ampfused_backends, ampfused_variants  # noqa: E402
+from bench.common.bytes import minimal_bytes_per_param, two_pass_bytes_per_param  # noqa: E402
+from bench.step.check import CorrectnessError, check, make_plan, run_reference  # noqa: E402
+from bench.step.variants import TorchForeach, TorchFused, TorchRecipe  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -170,8 +171,8 @@ def test_compile_budget_is_reported_as_unavailable():
     # in a subprocess: an interrupted compile must not leave dynamo state behind in this test session
     code = (
         "import torch\n"
-        "from bench import workloads, check as C\n"
-        "from bench.variants import TorchCompile, Unavailable\n"
+        "from bench.step import workloads, check as C\n"
+        "from bench.step.variants import TorchCompile, Unavailable\n"
         "inst = workloads.expand(['3000x3'], ['bf16'], [True], torch.device('cpu'))[0]\n"
         "p = workloads.init_params(inst); plan = C.make_plan(inst); exp = C.run_reference(inst, p, plan)\n"
         "try:\n"
@@ -185,7 +186,7 @@ def test_compile_budget_is_reported_as_unavailable():
 
 
 def test_host_time_table_times_both_paths():
-    from bench import host_time
+    from bench.step import host_time
     out = host_time.table([1, 3], calls=20, rounds=1)
     lines = out.splitlines()
     assert lines[0] == "| tensors | path | `opt.step()` | `scaler.step` + `update` |"
@@ -195,7 +196,7 @@ def test_host_time_table_times_both_paths():
 
 
 def test_the_default_cuda_run_compiles_on_one_workload():
-    from bench.variants import TorchCompile, Unavailable
+    from bench.step.variants import TorchCompile, Unavailable
     args = cli.parser().parse_args([])
     names = ["1Mx200", "16Mx32", "gpt2-small", "gpt2-medium"]
     assert cli.compile_only(torch.device("cuda"), args, names) == "gpt2-small"

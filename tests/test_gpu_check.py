@@ -1,4 +1,4 @@
-"""``python -m bench.gpu_check`` without a GPU: every GPU stage is reported as skipped with its reason, the
+"""``python -m bench.gpu`` without a GPU: every GPU stage is reported as skipped with its reason, the
 summary lists every stage and the output directory holds only the files promised. Also: a stage past its
 limit is stopped and the run goes on, how sanitizer and pytest output are judged, and the probes' workloads
 on the CPU backend (the same code that runs on a GPU, where the CUDA-only parts are left out)."""
@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # bench/ is a directory of the repository, not part of the installed package
     sys.path.insert(0, REPO)
 
-from bench import gpu_check, gpu_probe  # noqa: E402
+from bench.gpu import check as gpu_check, probe as gpu_probe  # noqa: E402
 
 NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 GPU_STAGES = [s.name for s in gpu_check.STAGES if s.gpu]
@@ -38,7 +38,7 @@ def test_dry_run_without_cuda_skips_every_gpu_stage_and_writes_the_summary(tmp_p
     out = tmp_path / "out"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no device, even on a machine that has one
     t0 = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "bench.gpu_check", str(out), "--skip", "build,suite"], cwd=REPO,
+    run = subprocess.run([sys.executable, "-m", "bench.gpu", str(out), "--skip", "build,suite"], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=120)
     took = time.monotonic() - t0
     assert run.returncode == 0, run.stdout + run.stderr

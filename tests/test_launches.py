@@ -11,7 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import ampfused
 from backends import cpu_backends
-from bench.measure import device_kernels
+from bench.common.measure import device_kernels
 
 # operators that launch no kernel: allocation, views, conversions to the dtype/device a tensor already has
 NO_KERNEL = {"aten::empty", "aten::select", "aten::as_strided", "aten::view", "aten::alias", "aten::detach",

@@ -12,7 +12,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if REPO not in sys.path:  # bench/ is a directory of the repository, not part of the installed package
     sys.path.insert(0, REPO)
 
-from bench import cli, distributed  # noqa: E402
+from bench.distributed import run as distributed  # noqa: E402
+from bench.step import cli  # noqa: E402
 
 WIDTH, BLOCKS = 32, 2
 

@@ -2,7 +2,7 @@
 
 ``StepCounter`` profiles (``torch.profiler``, CPU activity) each window opened by ``start()`` and closed by
 ``stop()`` (called from the framework's hooks) and counts the outermost operators dispatched in it:
-``aten::`` ops and ampfused's kernels, an operator called inside another not counted, as bench/measure.py
+``aten::`` ops and ampfused's kernels, an operator called inside another not counted, as bench/common/measure.py
 counts launches on CPU. ampfused's native kernels do not go through the dispatcher, so while counting, each
 backend entry point is wrapped in a profiler range named ``ampfused::<op>`` that counts as one operator (what
 the registered custom op would show). On CUDA it also counts, per window, the host syncs that
@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import ampfused
-from bench.measure import SYNC_WARNING, outermost_operators
+from bench.common.measure import SYNC_WARNING, outermost_operators
 
 KERNELS = ("norm_check", "unscale_", "adam_step_", "sgd_step_", "update_scale_")
 # operators that read a device value to the host

@@ -1,4 +1,4 @@
-"""Host time of one fused step: ``python -m bench.host_time``.
+"""Host time of one fused step: ``python -m bench.step.host_time``.
 
 Times ``opt.step()`` and ``scaler.step(opt)`` + ``scaler.update()`` of ``ampfused.FusedAdamW`` (bf16 tensors of 16
 elements, so the kernels' own work is negligible and what is measured is the host's) on the CPU, for several
@@ -69,7 +69,7 @@ def table(counts: List[int], calls: int = 20000, rounds: int = 5) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.host_time", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.step.host_time", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tensors", default="1,200,2000", help="comma-separated tensor counts (default 1,200,2000)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--calls", type=int, default=20000, help="calls per round, divided by the tensor count")

@@ -28,7 +28,7 @@ from torch import Tensor
 
 import ampfused
 
-from . import align_model as M
+from . import model as M
 
 RUNS = ("fp32", "torch", "torch-again", "torch-foreach", "ampfused", "torch-fp16", "ampfused-fp16")
 DTYPE = {"fp32": torch.float32, "torch": torch.bfloat16, "torch-again": torch.bfloat16,

@@ -1,5 +1,5 @@
 """The GPU probe's ``big`` stage: ops and a fused step over a buffer of more than 2**31 elements
-(``python -m bench.gpu_probe big``)."""
+(``python -m bench.gpu.probe big``)."""
 from __future__ import annotations
 
 import math

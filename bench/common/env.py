@@ -10,7 +10,10 @@ import torch
 
 from ampfused.info import cpu_name
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Results go outside the checkout unless asked (committing a run under bench/results is a deliberate choice).
+RESULTS = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                       "ampfused", "bench")
 
 
 def device_name(device: torch.device) -> str:

@@ -1,5 +1,5 @@
 """The distributed benchmark's model, data and its two training loops (``python -m bench --distributed``; see
-:mod:`bench.distributed`): ampfused's ZeRO-1 step and torch's DDP recipe, run on each rank."""
+:mod:`bench.distributed.run`): ampfused's ZeRO-1 step and torch's DDP recipe, run on each rank."""
 from __future__ import annotations
 
 import math
@@ -13,8 +13,8 @@ from torch import Tensor, nn
 
 import ampfused
 
-from .variants import Snapshot, TorchRecipe
-from .workloads import GRAD_NORM, Instance
+from ..step.variants import Snapshot, TorchRecipe
+from ..step.workloads import GRAD_NORM, Instance
 
 BATCHES = 4  # distinct batches per rank, used in turn
 
@@ -152,7 +152,7 @@ def _defer_hook(state, bucket):
 
 
 class DdpRecipe(TorchRecipe):
-    """torch's recipe (:class:`bench.variants.TorchRecipe`, no loss scaler) on a DDP-wrapped model, with DDP's
+    """torch's recipe (:class:`bench.step.variants.TorchRecipe`, no loss scaler) on a DDP-wrapped model, with DDP's
     gradient all-reduce moved from backward into the step, so that the timed step holds the communication of
     data parallelism as ZeRO-1's does.
 

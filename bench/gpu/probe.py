@@ -1,4 +1,4 @@
-"""The workloads ``python -m bench.gpu_check`` runs, one subcommand each: ``python -m bench.gpu_probe NAME``.
+"""The workloads ``python -m bench.gpu`` runs, one subcommand each: ``python -m bench.gpu.probe NAME``.
 
 * ``env``: versions, the device, its free memory (what the driver's summary header shows).
 * ``sanitize``: every op of ``ampfused.ops`` on each backend over small tensors of awkward sizes and layouts
@@ -98,7 +98,7 @@ def _net():
 
 
 def _count_syncs(caught) -> int:
-    from .measure import SYNC_WARNING
+    from ..common.measure import SYNC_WARNING
     return sum(SYNC_WARNING in str(w.message) for w in caught)
 
 
@@ -309,7 +309,8 @@ def _median_host_ms(fn: Callable[[], None], reps: int, before: Optional[Callable
 def _counts_one(rep: Report, device, backend: str, tensors: int, numel: int, reps: int) -> List[dict]:
     torch = _torch()
     import ampfused
-    from . import measure, workloads
+    from ..common import measure
+    from ..step import workloads
     shapes = workloads.uniform(numel, tensors).shapes
     gen = torch.Generator(device=device).manual_seed(0)
     params = [torch.nn.Parameter((torch.randn(s, device=device, generator=gen) * 0.02).to(torch.bfloat16))
@@ -409,8 +410,8 @@ def probe_counts(args) -> int:
 def probe_bench(args, extra: List[str]) -> int:
     """``python -m bench`` with the given workloads, torch's fused recipe (and foreach with --torch-foreach),
     and every ampfused variant available on the device; torch-compile left out."""
-    from . import cli
-    from .ampfused_variant import ampfused_variants
+    from ..step import cli
+    from ..step.ampfused_variant import ampfused_variants
     device = pick_device(args.device)
     names = (["torch-foreach"] if args.torch_foreach else []) + ["torch-fused"]
     names += [v.name for v in ampfused_variants(device)]
@@ -423,7 +424,7 @@ def probe_bench(args, extra: List[str]) -> int:
 # ------------------------------------------------------------------------------------------------------ cli
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_probe", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.gpu.probe", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="probe", required=True)
 

@@ -1,14 +1,14 @@
 """``python -m bench.align``: does ampfused train to the same loss as torch's mixed-precision recipe, step by step,
 over a long run?
 
-A small byte-level GPT (``bench/align_model.py``) learns Python's own standard-library source for ``--steps``
-optimizer steps, seven times over, from the same initial weights on the same batches (``bench/align_runs.py``):
+A small byte-level GPT (``bench/align/model.py``) learns Python's own standard-library source for ``--steps``
+optimizer steps, seven times over, from the same initial weights on the same batches (``bench/align/runs.py``):
 an fp32 run (the truth); in bf16, torch's recipe (fp32 master copy, ``clip_grad_norm_``, ``AdamW(fused=True)``,
 copy back) twice and once with ``AdamW(foreach=True)``, and ``ampfused.FusedAdamW(max_grad_norm=...)``; in fp16,
 the recipe under ``torch.amp.GradScaler`` and FusedAdamW under ``ampfused.GradScaler``. Per-step losses of two
 mixed-precision runs part ways after a few dozen steps whatever the implementation (any difference in the last
 bit of a weight changes later batches' rounding), so ampfused is held to what torch's own two implementations
-do against each other (``bench/align_report.py``):
+do against each other (``bench/align/report.py``):
 
 1. ampfused against the torch recipe is no further apart than torch's foreach against its fused AdamW (max and
    mean relative loss difference, all steps and the last 100, within 1.2x);
@@ -32,11 +32,11 @@ from typing import List, Optional
 
 import torch
 
-from . import align_model as M
-from . import align_report as R
-from . import align_runs as T
-from . import env as envmod
-from .cli import RESULTS
+from . import model as M
+from . import report as R
+from . import runs as T
+from ..common import env as envmod
+from ..common.env import RESULTS
 
 
 DESCRIPTION = ("Does ampfused train to the same loss as torch's mixed-precision recipe, every step of a long run? "

@@ -1,4 +1,4 @@
-"""What the GPU probe's stages share (``python -m bench.gpu_probe``): the report of checks and measurements,
+"""What the GPU probe's stages share (``python -m bench.gpu.probe``): the report of checks and measurements,
 device and backend choice, and bitwise / tolerance comparisons that report rather than raise."""
 from __future__ import annotations
 

@@ -9,8 +9,10 @@ from typing import List, Optional
 
 import torch
 
-from . import env as envmod
-from . import measure, report, workloads
+from ..common import env as envmod
+from ..common import measure
+from ..common.env import RESULTS
+from . import report, workloads
 from .ampfused_variant import ampfused_variants
 from .check import MAX_ELEMENTS, CorrectnessError
 from .runner import Options, run
@@ -19,10 +21,6 @@ from .variants import select, torch_variants
 DESCRIPTION = ("ampfused's fused optimizer step against torch's mixed-precision recipes. Every variant is "
                "checked against ampfused.ops.reference before it is timed; results go to <out>/<device>.csv, "
                ".txt and .png.")
-# Results go outside the checkout unless asked (committing a run under bench/results is a deliberate choice).
-RESULTS = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                       "ampfused", "bench")
-COMMITTED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 PER_DEVICE = {  # warmup, reps, seconds per measurement, copy buffer MB, compile budget s (whole run)
     # the 2-3 check steps before timing warm a variant up too (first touch, compilation)
     "cpu": dict(warmup=1, reps=20, max_seconds=6.0, copy_mb=512, compile_budget=180.0),
@@ -40,7 +38,7 @@ def _epilog() -> str:
                      "per measurement")
         lines.append(f"  {' ' * len(kind)}  --full: {','.join(full['workloads'])} | {','.join(full['grad_dtypes'])} "
                      f"| clip {onoff(full['clip'])}")
-    from .distributed import DEFAULTS as DIST
+    from ..distributed.run import DEFAULTS as DIST
     lines += ["  --distributed: ampfused-zero1 against torch-ddp on --world processes (gloo on CPU; NCCL, a GPU per "
               "rank)", "   " + " | ".join(f"{k}: warmup {d['warmup']}, reps {d['reps']}, {d['max_seconds']:g} s"
                                           for k, d in DIST.items()),
@@ -48,9 +46,10 @@ def _epilog() -> str:
               "  python -m bench                       # the default run for this machine",
               "  python -m bench --full                # the whole sweep",
               "  python -m bench --distributed         # ZeRO-1 against DDP + torch's AdamW, step time and memory",
+              "  python -m bench.distributed           # the same",
               "  python -m bench --workloads 16Mx32 --variants torch-fused,ampfused-cpu --compare OLD.csv",
-              "  python -m bench.plot bench/results/<device>.csv",
-              "  python -m bench.compare OLD.csv NEW.csv"]
+              "  python -m bench.step.plot bench/results/<device>.csv",
+              "  python -m bench.step.compare OLD.csv NEW.csv"]
     return "\n".join(lines)
 
 
@@ -58,8 +57,8 @@ def _csv_list(s: str) -> List[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench", description=DESCRIPTION,
+def parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
                                 epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda when available, else cpu)")
     p.add_argument("--workloads", type=_csv_list, default=None,
@@ -96,7 +95,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-going", action="store_true",
                    help="after a correctness failure, measure the rest (still exits non-zero)")
     p.add_argument("--no-plot", action="store_true")
-    d = p.add_argument_group("distributed workload (bench/distributed.py)")
+    d = p.add_argument_group("distributed workload (bench/distributed/, also python -m bench.distributed)")
     d.add_argument("--distributed", action="store_true",
                    help="instead of the single-process sweep: ampfused.ShardedFusedAdamW (ZeRO-1) against DDP + "
                         "clip_grad_norm_ + AdamW(fused=True) on fp32 masters, on --world processes; writes "
@@ -148,8 +147,8 @@ def compile_only(device: torch.device, args, workload_names: List[str]) -> Optio
 _SWEEP_ONLY = ("workloads", "full", "dtypes", "clip", "no_scaler", "variants", "compare", "copy_mb", "compile_budget")
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = parser().parse_args(argv)
+def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int:
+    args = parser(prog).parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
@@ -157,7 +156,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         given = [f"--{k.replace('_', '-')}" for k in _SWEEP_ONLY if getattr(args, k) not in (None, False)]
         if given:
             raise SystemExit(f"{', '.join(given)}: options of the single-process sweep, not of --distributed")
-        from . import distributed
+        from ..distributed import run as distributed
         return distributed.main(args, device)
     if args.threads:
         torch.set_num_threads(args.threads)

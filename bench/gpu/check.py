@@ -1,4 +1,4 @@
-"""``python -m bench.gpu_check OUT_DIR``: validate ampfused on a GPU machine in one command.
+"""``python -m bench.gpu OUT_DIR``: validate ampfused on a GPU machine in one command.
 
 Builds the CUDA extension from this checkout with the installed torch and triton (no network), prints
 ``python -m ampfused.info``, runs the test suite (the GPU-marked tests first), ``compute-sanitizer``
@@ -34,11 +34,11 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from .gpu_check_tools import (FAIL, PASS, PENDING, PROBE_SKIP_EXIT, SKIP, TIMEOUT, Outcome, _exit_words, _last_line,
+from .tools import (FAIL, PASS, PENDING, PROBE_SKIP_EXIT, SKIP, TIMEOUT, Outcome, _exit_words, _last_line,
                               _probe_line, find_sanitizer, pytest_outcome, run_limited, sanitizer_verdict,
                               xdist_available)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SUMMARY_MD, SUMMARY_JSON, LOG = "summary.md", "summary.json", "gpu_check.log"
 BENCH_STEM = "bench"
 OUTPUT_FILES = (SUMMARY_MD, SUMMARY_JSON, LOG, f"{BENCH_STEM}.csv", f"{BENCH_STEM}.txt", f"{BENCH_STEM}.png")
@@ -127,7 +127,7 @@ class Run:
     def command_for(self, stage: Stage) -> Tuple[Optional[List[str]], Dict[str, str], str]:
         """(command, extra environment, reason it cannot run) of a stage."""
         py, a = self.python, self.args
-        probe = [py, "-m", "bench.gpu_probe"]
+        probe = [py, "-m", "bench.gpu.probe"]
         dev = ["--device", "cuda"]
         if stage.name == "env":
             return probe + ["env", "--json", self.probe_json("env")], {}, ""
@@ -356,7 +356,7 @@ class Run:
     def write(self) -> None:
         overall, counts = self.overall()
         now = time.monotonic()
-        data = dict(tool="python -m bench.gpu_check", started=self.started, elapsed_s=round(now - self.t0, 1),
+        data = dict(tool="python -m bench.gpu", started=self.started, elapsed_s=round(now - self.t0, 1),
                     budget_s=self.args.budget, overall=overall, counts=counts, commit=_git_commit(),
                     cuda=self.cuda, gpu_skip_reason=None if self.cuda else self.gpu_skip_reason(),
                     environment=self.env_info, sanitizer=self.sanitizer,
@@ -444,7 +444,7 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 def _git_commit() -> str:
-    from .env import git_sha  # imported here: the driver itself starts before anything is built
+    from ..common.env import git_sha  # imported here: the driver itself starts before anything is built
     return git_sha()
 
 
@@ -470,10 +470,10 @@ def _limit(value: str) -> Tuple[str, float]:
 def parser() -> argparse.ArgumentParser:
     table = "\n".join(f"  {s.name:<20} {s.limit:>4.0f} s  {'GPU ' if s.gpu else 'host'}  {s.title}" for s in STAGES)
     p = argparse.ArgumentParser(
-        prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0],
+        prog="python -m bench.gpu", description=__doc__.split("\n\n")[0],
         epilog=f"stages (default limits, sum {sum(s.limit for s in STAGES):.0f} s):\n{table}\n\ngroups: suite, "
-               "sanitizer, probes\n\nexample (a GPU machine, from the checkout):\n  python3 -m bench.gpu_check "
-               "\"$OUT\"\na dry run without a GPU:\n  python3 -m bench.gpu_check /tmp/gpu-check --skip build,suite",
+               "sanitizer, probes\n\nexample (a GPU machine, from the checkout):\n  python3 -m bench.gpu "
+               "\"$OUT\"\na dry run without a GPU:\n  python3 -m bench.gpu /tmp/gpu-check --skip build,suite",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir", metavar="OUT_DIR", help="where the summary, the log and the benchmark files go")
     p.add_argument("--skip", type=_names, default=[], help="comma list of stages or groups to skip")

@@ -1,4 +1,4 @@
-"""What ``python -m bench.gpu_check`` runs its stages with: finding nvcc and compute-sanitizer, judging a
+"""What ``python -m bench.gpu`` runs its stages with: finding nvcc and compute-sanitizer, judging a
 stage's output (pytest, sanitizer, probe), and running a command under a time limit into a log."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 PASS, FAIL, SKIP, TIMEOUT, PENDING = "PASS", "FAIL", "SKIP", "TIMEOUT", "PENDING"
 INTERRUPT_GRACE = 8.0  # seconds before its limit a stage is interrupted (SIGINT) to print what it has
-PROBE_SKIP_EXIT = 3  # what bench.gpu_probe exits with when a whole probe cannot run here
+PROBE_SKIP_EXIT = 3  # what bench.gpu.probe exits with when a whole probe cannot run here
 
 
 # ------------------------------------------------------------------------------------------ finding tools

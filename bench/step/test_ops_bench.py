@@ -14,8 +14,8 @@ import torch
 
 from ampfused import ops
 
-from bench.ampfused_variant import ampfused_backends
-from bench.measure import synchronize
+from bench.step.ampfused_variant import ampfused_backends
+from bench.common.measure import synchronize
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NUMEL = int(os.environ.get("AMPFUSED_BENCH_NUMEL", 64 * 2 ** 20 if DEVICE.type == "cuda" else 4 * 2 ** 20))
@@ -70,7 +70,7 @@ def test_adamw_step(benchmark, buffers, backend, clip):
                         b["inv_scale"], b["lr"], b["out_stats"], beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
                         max_norm=1.0 if clip else math.inf, backend=backend)
 
-    _run(benchmark, step, NUMEL * 28)  # the step without its norm pass: 28 B/param (bench/bytes.py)
+    _run(benchmark, step, NUMEL * 28)  # the step without its norm pass: 28 B/param (bench/common/bytes.py)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,6 +1,6 @@
 """What is benchmarked: torch's mixed-precision optimizer recipes, and ampfused on each available backend.
 
-A *variant* builds a *runner* for one :class:`~bench.workloads.Instance`. Every runner offers the same
+A *variant* builds a *runner* for one :class:`~bench.step.workloads.Instance`. Every runner offers the same
 four things, so the checker and the timer treat them alike:
 
 * ``set_grads(grads)``: put the gradients backward would have produced into the model's ``.grad``;

@@ -1,7 +1,7 @@
 """Step time against parameters (log-log), one line per variant, with the roofline of the byte model.
 
-``python -m bench.plot RESULTS.csv [-o OUT.png]``. One panel per (gradient dtype, clip); the roofline is
-``minimal_bytes / bandwidth`` (bench/bytes.py), the fastest any step can be on that machine, with the highest
+``python -m bench.step.plot RESULTS.csv [-o OUT.png]``. One panel per (gradient dtype, clip); the roofline is
+``minimal_bytes / bandwidth`` (bench/common/bytes.py), the fastest any step can be on that machine, with the highest
 copy or in-place read-modify-write bandwidth measured for the panel's rows (each row's are measured around
 its own timing): on CPUs ``copy_`` pays a write-allocate read of its destination that a step mostly does not,
 so a roofline drawn from it alone is not a floor, and the highest of the run's measurements keeps it one.
@@ -13,7 +13,7 @@ import os
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
-from .bytes import minimal_bytes
+from ..common.bytes import minimal_bytes
 from .report import bandwidth_range, read_csv
 from .workloads import DTYPES
 
@@ -91,7 +91,7 @@ def plot_csv(csv_path: str, out: Optional[str] = None) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.plot", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.step.plot", description=__doc__)
     p.add_argument("csv")
     p.add_argument("-o", "--out", default=None, help="PNG path (default: the CSV's path with .png)")
     args = p.parse_args(argv)

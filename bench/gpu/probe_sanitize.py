@@ -1,5 +1,5 @@
 """The GPU probe's ``sanitize`` stage: every op and a few fused steps on awkward sizes, each checked against the
-reference backend, as the workload ``compute-sanitizer`` runs under (``python -m bench.gpu_probe sanitize``)."""
+reference backend, as the workload ``compute-sanitizer`` runs under (``python -m bench.gpu.probe sanitize``)."""
 from __future__ import annotations
 
 import math

@@ -8,8 +8,8 @@ from typing import List, Optional
 
 import torch
 
-from . import measure
-from .bytes import minimal_bytes
+from ..common import measure
+from ..common.bytes import minimal_bytes
 from .check import MAX_ELEMENTS, CorrectnessError, check, make_plan, run_reference
 from .report import NA, fill_speedups
 from .variants import TorchCompile, Unavailable, Variant

@@ -1,4 +1,4 @@
-"""Change of each measurement against a saved run: ``python -m bench.compare OLD.csv NEW.csv`` (or
+"""Change of each measurement against a saved run: ``python -m bench.step.compare OLD.csv NEW.csv`` (or
 ``python -m bench --compare OLD.csv`` after a run).
 
 Rows match on workload, gradient dtype, clip and variant; the change is ``new / old - 1`` of the median
@@ -43,7 +43,7 @@ def compare_text(old: List[dict], new: List[dict], old_name: str = "old") -> str
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.step.compare", description=__doc__)
     p.add_argument("old")
     p.add_argument("new")
     args = p.parse_args(argv)

@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 import csv
-import os
 from typing import Dict, Iterable, List, Optional, Sequence
+
+from ..common.csv_rows import NA, write_rows
 
 COLUMNS = ["device", "torch", "triton", "git_sha", "workload", "numel", "tensors", "grad_dtype", "param_dtype",
            "clip", "variant", "backend", "median_ms", "p20_ms", "p80_ms", "gbps_effective", "copy_gbps",
            "pct_of_copy_bw", "speedup_vs_torch_fused", "speedup_vs_torch_foreach", "host_syncs", "launches",
            "peak_mem_mb", "rmw_gbps", "host_ms", "pct_of_rmw_bw"]
 OPTIONAL = ("rmw_gbps", "host_ms", "pct_of_rmw_bw")  # columns that runs of older versions lack
-NA = "n/a"  # what cannot be measured here, or has no baseline to compare with
 TORCH_VARIANTS = ("torch-foreach", "torch-fused", "torch-compile")
 
 
@@ -37,12 +37,7 @@ def fmt(x: Optional[float], digits: int = 3) -> str:
 
 
 def write_csv(rows: Iterable[dict], path: str, columns: Sequence[str] = COLUMNS) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(columns))
-        w.writeheader()
-        for r in rows:
-            w.writerow({c: r.get(c, NA) for c in columns})
+    write_rows(rows, path, columns)
 
 
 def read_csv(path: str) -> List[dict]:
@@ -130,12 +125,12 @@ def summary(rows: List[dict], device: str, notes: List[str]) -> str:
            table(rows) if rows else "(no measurements)"]
     if notes:
         out += ["", "notes:"] + [f"  {n}" for n in notes]
-    out += ["", "GB/s counts the minimal bytes of a step (bench/bytes.py: 28 B/param, gradients read once); % copy "
+    out += ["", "GB/s counts the minimal bytes of a step (bench/common/bytes.py: 28 B/param, gradients read once); % copy "
             "is against copy_ (the CSV's pct_of_copy_bw), % rmw against the in-place read-modify-write bandwidth, "
             "which a CPU's copy_ understates by its write-allocate reads; both against the median of the row's own "
-            "samples, taken right before and after its timed steps (bench/measure.py: Yardstick); above 100% "
+            "samples, taken right before and after its timed steps (bench/common/measure.py: Yardstick); above 100% "
             "also means part of the working set stayed in cache. x best torch is against the fastest torch variant "
             "measured; launches on CPU are outermost operators dispatched, syncs n/a on CPU; host ms (CUDA only) is "
             "the time until the step call returned, its kernels queued: the CPU's cost of a step "
-            "(bench/measure.py)."]
+            "(bench/common/measure.py)."]
     return "\n".join(out)

@@ -10,7 +10,7 @@ same initial weights, and runs two training loops side by side on its own batche
   shard, the global norm (one all-reduce), clipping and AdamW on the shard's fp32 masters and moments, and the
   all-gather of the updated bf16 parameters.
 * ``torch-ddp``: the model wrapped in ``DistributedDataParallel(gradient_as_bucket_view=True)`` and the recipe of
-  :class:`bench.variants.TorchRecipe` (fp32 master copies, their gradients copied from the model's,
+  :class:`bench.step.variants.TorchRecipe` (fp32 master copies, their gradients copied from the model's,
   ``clip_grad_norm_(foreach=True)``, ``AdamW(fused=True)`` where supported (else ``foreach=True``), the masters
   copied back into the bf16 model), preceded by DDP's gradient all-reduce, see :class:`DdpRecipe`.
 
@@ -23,7 +23,7 @@ median and 20th/80th percentiles.
 Correctness before timing: from the same initial weights, both loops take ``CHECK_STEPS`` steps on gradients
 handed in (:func:`check_grads`: the model's own backward runs first, then its gradients are overwritten in
 place, in DDP's buckets for ``torch-ddp``), so both see the same global gradient bit for bit. ampfused's gathered
-masters and moments must then match torch's under the rule of :func:`bench.check.compare` (the rule every
+masters and moments must then match torch's under the rule of :func:`bench.step.check.compare` (the rule every
 single-process variant is held to, with torch's recipe in the reference's place), ampfused's bf16 parameters
 must be the rounding of its masters, and every rank's parameters must be bitwise the same as rank 0's, for both
 loops, after the check and again after the timed steps. A failure stops the run before anything is timed or
@@ -52,14 +52,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import env as envmod
-from .check import CorrectnessError, Expected, Plan, compare
-from .dist_loops import (BATCHES, Config, ZeroRunner, batches, build_model, check_grads, model_size,
+from ..common import env as envmod
+from ..step.check import CorrectnessError, Expected, Plan, compare
+from .loops import (BATCHES, Config, ZeroRunner, batches, build_model, check_grads, model_size,
                          torch_recipe)
-from .measure import percentile, synchronize
-from .report import NA, write_csv
-from .variants import Snapshot
-from .workloads import Instance, Workload
+from ..common.measure import percentile, synchronize
+from ..common.csv_rows import NA, write_rows as write_csv
+from ..step.variants import Snapshot
+from ..step.workloads import Instance, Workload
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -86,7 +86,7 @@ def instance(cfg: Config, module: nn.Module, device: torch.device) -> Instance:
 
 def compare_with_torch(inst: Instance, zero: Snapshot, zero_norms: List[Optional[float]], ref: Snapshot,
                        ref_norms: List[float], updates: int) -> List[str]:
-    """What differs between ZeRO-1's state and the torch recipe's, under :func:`bench.check.compare`'s rule with
+    """What differs between ZeRO-1's state and the torch recipe's, under :func:`bench.step.check.compare`'s rule with
     the torch recipe as the expected side (masters and moments within ``RTOL`` plus what the two norms'
     difference explains; ZeRO-1's bf16 parameters exactly the rounding of its masters)."""
     flat = lambda ts: [t.detach().reshape(-1) for t in ts]  # noqa: E731
@@ -352,7 +352,7 @@ def explain(cfg: Config) -> List[str]:
     h = {f.name: f.default for f in dataclasses.fields(Instance)}  # what instance() leaves at the defaults
     return [
         f"checked before timing: {CHECK_STEPS} steps of both from the same weights on the same gradients; ZeRO-1's "
-        "masters and moments within bench/check.py's tolerance of torch's, its bf16 parameters the rounding of its "
+        "masters and moments within bench/step/check.py's tolerance of torch's, its bf16 parameters the rounding of its "
         "masters, every rank's parameters bitwise rank 0's (also after the timed steps)",
         f"step: AdamW lr={h['lr']:g} betas={h['betas']} eps={h['eps']:g} weight_decay={h['weight_decay']:g}, "
         f"clipping to max_norm={h['max_norm']:g} with the global norm, no loss scaler, fp32 masters of the bf16 model",

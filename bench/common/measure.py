@@ -8,7 +8,7 @@
   the step's time is host time.)
 * Bandwidth: ``dst.copy_(src)`` of a buffer far larger than the caches, and the in-place read-modify-write
   ``x.add_(1)`` of one (the stricter yardstick on CPUs, see :func:`rmw_bandwidth`), both counted as read +
-  write (:func:`bench.bytes.copy_bytes`). Sampled right before and right after each variant's timed steps
+  write (:func:`bench.common.bytes.copy_bytes`). Sampled right before and right after each variant's timed steps
   (:class:`Yardstick`), so every row is compared with the bandwidth of its own moment: on a shared machine
   the bandwidth drifts by tens of percent within seconds. The CSV keeps each row's median ``copy_gbps`` and
   ``rmw_gbps`` and its ``pct_of_copy_bw`` and ``pct_of_rmw_bw``.
