@@ -307,10 +307,26 @@ class GradScaler(torch.amp.GradScaler):
 
     def _unscale_grads_(self, optimizer, inv_scale: Tensor, found_inf: Tensor,
                         allow_fp16: bool) -> Dict[torch.device, Tensor]:
-        """One :func:`ampfused.ops.unscale_` per device over every gradient dtype. ``found_inf`` and
-        ``allow_fp16`` are accepted for torch's signature: fresh flags are made per device, and fp16 is always
-        allowed. Returns ``{device: found_inf}`` (0-d fp32, 1.0 where a non-finite value was seen)."""
-        return self._per_device(optimizer, inv_scale, write=True)
+        """torch's private unscale (its tests and FSDP's ShardedGradScaler call it): one
+        :func:`ampfused.ops.unscale_` per device over every gradient dtype. ``inv_scale`` and ``found_inf`` are
+        1-element tensors (0-d or not, as torch takes them); ``found_inf`` is set to 1.0 where a gradient on its
+        device is non-finite and is the flag returned for that device (flags for other devices are new tensors
+        of its shape). Returns ``{device: flag}``; ``allow_fp16=False`` refuses fp16 gradients as torch does."""
+        for name, t in (("inv_scale", inv_scale), ("found_inf", found_inf)):
+            if not isinstance(t, Tensor) or t.numel() != 1 or not t.is_floating_point():
+                raise ValueError(f"{name} must be a 1-element floating-point tensor, got "
+                                 f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+        if not allow_fp16 and any(p.grad.dtype == torch.float16 for p in _param_grads(optimizer)):
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        flags = self._per_device(optimizer, inv_scale.reshape(()).float(), write=True)
+        out: Dict[torch.device, Tensor] = {}
+        for device, flag in flags.items():
+            if device == found_inf.device:
+                found_inf.copy_(torch.where(flag.reshape(found_inf.shape) > 0, 1.0, found_inf))
+                out[device] = found_inf
+            else:
+                out[device] = flag.to(found_inf.dtype).reshape(found_inf.shape)
+        return out
 
     def _check_inf_per_device(self, optimizer) -> Dict[torch.device, Tensor]:
         """Inf check of still-scaled gradients, for optimizers that unscale inside their own step (torch's

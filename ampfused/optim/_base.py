@@ -38,6 +38,14 @@ def _append_flag(partials: Tensor, flag: Tensor) -> Tensor:
     return torch.cat([partials, torch.stack([torch.zeros_like(flag), flag])[:, None]], 1)
 
 
+def _hyper_key(v):
+    if isinstance(v, Tensor):
+        return ("tensor", id(v), v._version)
+    if isinstance(v, (list, tuple)):
+        return tuple(_hyper_key(x) for x in v)
+    return v
+
+
 def _on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
     return t if t is None or t.device == device else t.to(device, non_blocking=True)
 
@@ -48,6 +56,7 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands us grad_scale / found_inf
     _ampfused_fused = True  # ampfused.GradScaler and clip_grad_norm_ use the hooks below
     state_names: tuple = ()
+    _raw_clip: Optional[Tensor] = None  # (instances pickled before it existed read this)
 
     def __init__(self, params, defaults: dict, *, max_grad_norm: Optional[float], master_weights: Optional[bool],
                  backend: Optional[str], spike_guard: Optional[SpikeGuard] = None, track_nonfinite: bool = False,
@@ -82,7 +91,8 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         self._segments: List[Segment] = []
         self._packed_groups: List[Optional[List[Tensor]]] = []  # per group: its params as last packed
         self._partials_cache = None  # (grad keys, partials) left by _ampfused_unscale_ / fold clip
-        self._pending_clip: Optional[float] = None
+        self._pending_clip: Optional[float] = None  # a clip folded into the next step, on its unscaled gradients
+        self._raw_clip: Optional[Tensor] = None  # coefficient of a clip made on gradients not unscaled yet
         self._nonfinite: List[Tensor] = []
         self._calls = [0]  # step() calls that had gradients, since construction or load (a list: a compiled
         # step adds to it without setting an attribute of the optimizer)
@@ -108,18 +118,17 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         """Every rule for groups about to be added, checked before any of them is."""
         seen = {id(p) for g in existing for p in g["params"]}
         for gi, g in enumerate(groups, start=len(existing)):
+            in_group = set()
             for k, p in enumerate(g["params"]):
                 P.check_param(gi, k, p)
                 p = p[1] if isinstance(p, tuple) else p
-                if id(p) in seen:
-                    raise ValueError("some parameters appear in more than one parameter group"
-                                     if any(p is q for e in existing for q in e["params"]) else
-                                     f"param_groups[{gi}]['params'][{k}] (shape {tuple(p.shape)}) appears more "
-                                     "than once in the parameters; each parameter may be given once")
-                seen.add(id(p))
+                if id(p) in seen:  # torch.optim's rule and message (a repeat inside a group only warns, there)
+                    raise ValueError("some parameters appear in more than one parameter group")
+                in_group.add(id(p))
                 if self.master_weights is False and p.dtype in LOW_PRECISION:
                     raise ValueError(f"master_weights=False with a {p.dtype} parameter of shape {tuple(p.shape)}: "
                                      "low-precision parameters need fp32 master weights")
+            seen |= in_group
             merged = dict(defaults, **{k: v for k, v in g.items() if k != "params"})
             self._validate_group(merged, f" in param_groups[{gi}]")
             P.check_lr(merged["lr"], f" in param_groups[{gi}]")
@@ -161,8 +170,9 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         if checked is None:
             checked = self._checked_hyper = {}
         for gi, group in enumerate(self.param_groups):
-            key = [(k, id(v) if isinstance(v, Tensor) else tuple(v) if isinstance(v, list) else v)
-                   for k, v in group.items() if k != "params"]  # a list is compared by a copy of its items
+            # a list is compared by a copy of its items, tensors (alone or in a tuple or list) by identity and
+            # version counter: comparing tensors by value could read a device tensor
+            key = [(k, _hyper_key(v)) for k, v in group.items() if k != "params"]
             if checked.get(gi) == key:
                 continue
             self._validate_group(group, f" in param_groups[{gi}]")
@@ -190,8 +200,10 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
             return inv_scale / grad_divisor.to(device=inv_scale.device, dtype=torch.float32).reshape(())
         return inv_scale / float(grad_divisor)
 
-    def _partials_and_inv_scale(self, batch: _Batch, grad_divisor=None):
-        """Partials of the step's gradients and the coefficient that unscales them, all on the device."""
+    def _partials_and_inv_scale(self, batch: _Batch, grad_divisor=None, raw_clip: Optional[Tensor] = None):
+        """Partials of the step's gradients and the coefficient that unscales them, all on the device.
+        ``raw_clip``: the coefficient of a clip made on the gradients as they were before this step unscales
+        them (see :meth:`_ampfused_fold_clip_`); it multiplies the unscale coefficient."""
         grad_scale = _on(getattr(self, "grad_scale", None), self._device)
         given_inv = _on(getattr(self, "_ampfused_inv_scale", None), self._device)  # ampfused.GradScaler's 1/scale
         found_inf = _on(getattr(self, "found_inf", None), self._device)
@@ -206,6 +218,8 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
                 inv_scale = given_inv if given_inv is not None else grad_scale.double().reciprocal().float()
             else:
                 inv_scale = self._one
+            if raw_clip is not None:
+                inv_scale = inv_scale * raw_clip
             inv_scale = self._divide(inv_scale, grad_divisor)
             partials = self._k1("norm_check", batch, inv_scale)
         if found_inf is not None:  # e.g. all-reduced across ranks by the training script
@@ -227,11 +241,25 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         if batch is None:
             self._follow_parameters()
             batch = self._collect()
+        repeated = self.__dict__.get("_repeated_params")
+        if repeated:
+            raise ValueError(repeated)
         if batch.empty:  # no gradient at all: torch.optim does nothing either
             self._pending_clip = None
+            self._raw_clip = None
             self._partials_cache = None
             return loss
-        partials, inv_scale = self._partials_and_inv_scale(batch, grad_divisor)
+        raw_clip = self._raw_clip
+        if raw_clip is not None:  # (no attribute set when there is nothing to clear: a compiled step sets none)
+            self._raw_clip = None
+        pending = self._pending_clip
+        if pending is not None:
+            self._pending_clip = None
+        if getattr(self, "grad_scale", None) is not None and raw_clip is not None:
+            pending = None  # the clip was made on the scaled gradients: its coefficient joins the unscale one
+        else:
+            raw_clip = None  # the gradients are stepped as they were clipped: the clip folds into K2 (max_norm)
+        partials, inv_scale = self._partials_and_inv_scale(batch, grad_divisor, raw_clip)
         if self.track_nonfinite:
             self._count_nonfinite(batch)
         lr_mult = None
@@ -244,9 +272,6 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
                 partials = _append_flag(partials, spike.float())
             else:
                 lr_mult = torch.where(spike, guard.lr_factor, 1.0).float()
-        pending = self._pending_clip
-        if pending is not None:  # (no attribute set when there is nothing to clear: a compiled step sets none)
-            self._pending_clip = None
         for si, seg in enumerate(self._segments):
             if batch.segment_empty(si):
                 continue
@@ -363,12 +388,17 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         self._check_divisor(grad_divisor)
         self._follow_parameters()
         batch = self._collect()
-        inv_scale = self._divide(_on(inv_scale, self._device), grad_divisor)
+        inv_scale = _on(inv_scale, self._device)
+        if self._raw_clip is not None:  # a clip made on the scaled gradients, before this unscale
+            inv_scale = inv_scale * self._raw_clip
+            self._raw_clip = None
+            self._pending_clip = None
+        inv_scale = self._divide(inv_scale, grad_divisor)
         if not batch.active:
             self._partials_cache = None
             return self._one * 0
         partials = self._k1("unscale_", batch, inv_scale)
-        self._partials_cache = (batch.keys(), partials)
+        self._partials_cache = (batch.keys(), partials, "unscaled")
         return ops.reduce_partials(partials)[1]
 
     @torch.no_grad()
@@ -383,14 +413,22 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
             return None
         cache = self._partials_cache
         if cache is None or not self._same_grads(cache[0], batch):
-            cache = (batch.keys(), self._k1("norm_check", batch, self._one))
+            cache = (batch.keys(), self._k1("norm_check", batch, self._one), "as they are")
             self._partials_cache = cache
+        unscaled = cache[2:] == ("unscaled",)  # measured by _ampfused_unscale_, which unscaled them
         norm = ops.reduce_partials(cache[1])[0]
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
             raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
                                "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
                                "by the non-finite norm anyway, set `error_if_nonfinite=False`")
-        self._pending_clip = float(max_norm) if self._pending_clip is None else min(self._pending_clip, float(max_norm))
+        max_norm = float(max_norm)
+        if not unscaled:
+            # The gradients as they are now: if the step later unscales them (a scaler hands it the scale), this
+            # clip was made on the scaled gradients and must act on them (torch clips max_norm * scale there);
+            # the step then multiplies its unscale coefficient by this clip's coefficient, on the device.
+            coef = ops.clip_coef(norm, max_norm)
+            self._raw_clip = coef if self._raw_clip is None else self._raw_clip * coef
+        self._pending_clip = max_norm if self._pending_clip is None else min(self._pending_clip, max_norm)
         return norm
 
     # --- state dicts (torch.optim layout; see _state.py) ---------------------------------------------------
@@ -412,7 +450,7 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
-    def _export_param_state(self, st: dict, step: float) -> dict:
+    def _export_param_state(self, st: dict, step: float, group: Optional[dict] = None) -> dict:
         out = {k: v for k, v in st.items() if k != "step"}
         out["step"] = torch.tensor(step, dtype=torch.float32)
         return out

@@ -144,6 +144,19 @@ class FollowParameters:
         """Rebuild the segments of these groups from their parameters as they are now, carrying state
         (``carried``: ``id(new parameter) -> the parameter whose state it takes over``)."""
         everything = [(gi, k, p) for gi, g in enumerate(self.param_groups) for k, p in enumerate(g["params"])]
+        # A parameter listed twice (torch.optim warns of a repeat inside a group; param_groups edited by hand,
+        # e.g. extended with themselves, repeat one across groups) lives once in the segments, in the first
+        # group that lists it. A repeat across groups is recorded here and refused by step().
+        first_group: Dict[int, int] = {}
+        repeated = [(gi, k, p) for gi, k, p in everything if first_group.setdefault(id(p), gi) != gi]
+        self._repeated_params = None
+        if repeated:
+            groups_to_pack = set(range(len(self.param_groups)))
+            gi, k, p = repeated[0]
+            self._repeated_params = (f"param_groups[{gi}]['params'][{k}] (shape {tuple(p.shape)}) is also in "
+                                     f"param_groups[{first_group[id(p)]}]: some parameters appear in more than one "
+                                     "parameter group, so their hyperparameters are ambiguous; a fused step updates "
+                                     "each parameter once. state_dict() works; remove the repeats before step()")
         previous = {id(p): (seg, i) for seg in self._segments for i, p in enumerate(seg.params)}
         for new_id, old in (carried or {}).items():
             if id(old) in previous:
@@ -152,17 +165,13 @@ class FollowParameters:
                 if seg.layouts[i][2] == tuple(new.shape):  # same shape: it takes over the old one's state
                     previous[new_id] = (seg, i)
         devices = {}
-        seen = set()
         for gi, k, p in everything:
             if gi in groups_to_pack:
                 P.check_param(gi, k, p)
-                if id(p) in seen:
-                    raise ValueError("some parameters appear in more than one parameter group")
                 if self.master_weights is False and p.dtype in LOW_PRECISION:
                     raise ValueError(f"master_weights=False with a {p.dtype} parameter "
                                      f"param_groups[{gi}]['params'][{k}] (shape {tuple(p.shape)}): low-precision "
                                      "parameters need fp32 master weights")
-            seen.add(id(p))
             devices.setdefault(p.device, (gi, k, p))
             old = previous.get(id(p))
             if old is not None and old[0].layouts[old[1]][2] != tuple(p.shape):
@@ -182,8 +191,11 @@ class FollowParameters:
                 segments += [s for s in self._segments if s.group_index == gi]
                 continue
             by_dtype: Dict[torch.dtype, List[Tensor]] = {}
+            placed = set()
             for p in group["params"]:
-                by_dtype.setdefault(p.dtype, []).append(p)
+                if first_group[id(p)] == gi and id(p) not in placed:
+                    placed.add(id(p))
+                    by_dtype.setdefault(p.dtype, []).append(p)
             for dtype, ps in by_dtype.items():
                 segments.append(build_segment(gi, ps, self._use_master(dtype), self.state_names, previous))
         owner = weakref.ref(self)

@@ -12,6 +12,7 @@ from typing import List
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -110,15 +111,75 @@ def check_eps(eps, where: str = "") -> None:
         raise ValueError(f"Invalid epsilon value: {eps}{where}")
 
 
-def check_betas(betas, where: str = "") -> None:
+def squeeze_betas(betas):
+    """``betas`` as torch keeps them: a tuple, 1-element tensors squeezed to 0-d (as ``torch.optim``'s
+    ``_to_scalar`` does)."""
+    if isinstance(betas, Tensor) or not hasattr(betas, "__len__") or len(betas) != 2:
+        return betas
+    return tuple(b.squeeze() if isinstance(b, Tensor) and b.dim() != 0 else b for b in betas)
+
+
+_DEVICE_VALUES = WeakIdKeyDictionary()  # device tensor hyperparameter -> (its _version, value read)
+
+
+def hyper_value(t, name: str) -> float:
+    """A hyperparameter's value as a Python float. A CPU tensor is read where it is (no device involved); a
+    device tensor is read once per change of its version counter (an in-place edit is seen, at the cost of
+    one read where it happens) and the value is remembered, so a step with an unchanged tensor reads nothing."""
+    if not isinstance(t, Tensor):
+        return float(t)
+    if t.device.type == "cpu":
+        return float(t.detach().reshape(()))
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor (it holds no value)")
+    seen = _DEVICE_VALUES.get(t)
+    if seen is None or seen[0] != t._version:
+        seen = (t._version, float(t.detach().reshape(()).cpu()))
+        _DEVICE_VALUES[t] = seen
+    return seen[1]
+
+
+def check_betas(betas, where: str = "", *, foreach=None, capturable=False) -> None:
+    """torch.optim.Adam's rules, in its order and with its messages: two numbers in [0, 1), or two 1-element
+    tensors (read as :func:`hyper_value` reads them)."""
     if isinstance(betas, Tensor) or not hasattr(betas, "__len__") or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}{where}")
+    tensors = [isinstance(b, Tensor) for b in betas]
     for i, b in enumerate(betas):
         if isinstance(b, Tensor):
-            raise ValueError(f"Invalid beta parameter at index {i}: fused optimizers take Python numbers for "
-                             f"betas, got a tensor{where}")
-        if not _is_number(b) or not 0.0 <= b < 1.0:
+            if b.numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element{where}")
+            if not b.is_floating_point():
+                raise ValueError(f"Invalid beta parameter at index {i}: {b}{where} (a tensor beta must be "
+                                 "floating point)")
+            value = hyper_value(b, f"betas[{i}]")
+        elif _is_number(b):
+            value = b
+        else:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b!r}{where}")
+        if not 0.0 <= value < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {b}{where}")
+    if tensors[0] != tensors[1]:
+        raise ValueError(f"betas must be either both floats or both Tensors{where}")
+    for i, b in enumerate(betas):
+        if isinstance(b, Tensor) and foreach and not capturable:
+            raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True{where}")
+
+
+def check_foreach_lr(lr, foreach, capturable) -> None:
+    """torch.optim.Adam refuses a tensor lr with ``foreach=True, capturable=False`` (its foreach kernels cannot
+    take one); ampfused ignores ``foreach`` but refuses the same combination, so a script behaves the same with
+    either optimizer."""
+    if isinstance(lr, Tensor) and foreach and not capturable:
+        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+
+
+def check_impl_flags(foreach, fused, differentiable) -> None:
+    """torch.optim's rules for its implementation flags (ampfused accepts and ignores them otherwise)."""
+    if fused and differentiable:
+        raise RuntimeError("`fused` does not support `differentiable`")
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
 
 
 def check_weight_decay(wd, where: str = "") -> None:

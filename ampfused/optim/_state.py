@@ -73,12 +73,17 @@ def export_state_dict(opt) -> dict:
         if not any(seg.has_state):
             continue
         steps = seg.steps.tolist()  # one read per segment, at checkpoint time only
+        group = opt.param_groups[seg.group_index]
         for i, p in enumerate(seg.params):
             if seg.has_state[i]:
                 st = {name: seg.state_view(flat, i) for name, flat in seg.states.items()}
                 if seg.master is not None:
                     st["master_param"] = seg.state_view(seg.master, i)
-                state[index[id(p)]] = opt._export_param_state(st, steps[i])
+                entry = opt._export_param_state(st, steps[i], group)
+                if entry:  # (torch.optim.SGD without momentum keeps no state)
+                    state[index[id(p)]] = entry
+    # what is not a parameter's state (keys that hooks or users put in optimizer.state) is kept as torch keeps it
+    state.update({k: v for k, v in opt.state.items() if not isinstance(k, Tensor)})
     return {"state": state, "param_groups": groups}
 
 
@@ -97,7 +102,9 @@ def state_dict_with_hooks(opt, export) -> dict:
 
 
 def run_load_pre_hooks(opt, state_dict: dict) -> dict:
-    """torch's load-state-dict pre-hooks (each may hand back a new state dict)."""
+    """torch's load-state-dict pre-hooks (each may hand back a new state dict), given a shallow copy of the
+    caller's dict as torch gives them, so a hook that edits the dict does not change the caller's."""
+    state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
     for hook in opt._optimizer_load_state_dict_pre_hooks.values():
         out = hook(opt, state_dict)
         state_dict = out if out is not None else state_dict
@@ -214,5 +221,12 @@ def import_state_dict(opt, state_dict: dict) -> None:
                 opt.state.pop(p, None)
     for g, ng in zip(groups, new_groups):
         g.update(ng)
+    # what is not a parameter's state replaces what was, as torch.optim keeps it
+    saved_ids = {sid for s in state_dict["param_groups"] for sid in s["params"]}
+    for k in [k for k in opt.state if not isinstance(k, Tensor)]:
+        del opt.state[k]
+    for k, v in saved_state.items():
+        if k not in saved_ids:
+            opt.state[k] = v
     opt._partials_cache = None
     opt._bind_state()

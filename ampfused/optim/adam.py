@@ -23,38 +23,54 @@ class AdamMath:
     decoupled = False
 
     @classmethod
-    def adam_defaults(cls, lr, betas, eps, weight_decay, amsgrad, maximize, differentiable) -> dict:
+    def adam_defaults(cls, lr, betas, eps, weight_decay, amsgrad, maximize, differentiable, *, foreach=None,
+                      fused=None, capturable=False, decoupled_weight_decay=None) -> dict:
+        """The group defaults, checked in torch.optim.Adam's order and with its messages. The keys are torch's
+        (so state dicts have its layout); ``foreach``, ``fused`` and ``capturable`` are kept as given and do not
+        change the step, which is always fused and capturable."""
+        P.check_foreach_lr(lr, foreach, capturable)
         _check_unsupported(cls.__name__, amsgrad, differentiable)
+        P.check_impl_flags(foreach, fused, differentiable)
         P.check_lr(lr)
         P.check_eps(eps)
-        P.check_betas(betas)
+        P.check_betas(betas, foreach=foreach, capturable=capturable)
         P.check_weight_decay(weight_decay)
-        return dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=bool(maximize),
-                    amsgrad=False)
+        decoupled = cls.decoupled if decoupled_weight_decay is None else bool(decoupled_weight_decay)
+        return dict(lr=lr, betas=P.squeeze_betas(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
+                    maximize=bool(maximize), foreach=foreach, capturable=bool(capturable), differentiable=False,
+                    fused=fused, decoupled_weight_decay=decoupled)
 
     def _validate_group(self, group: dict, where: str) -> None:
         super()._validate_group(group, where)
-        P.check_betas(group["betas"], where)
+        P.check_betas(group["betas"], where, foreach=group.get("foreach"), capturable=group.get("capturable", False))
         P.check_eps(group["eps"], where)
         P.check_weight_decay(group["weight_decay"], where)
         if group.get("amsgrad", False):
             raise ValueError(f"amsgrad=True{where}: {type(self).__name__} does not implement AMSGrad (it keeps no "
                              "max_exp_avg_sq); use torch.optim.AdamW(amsgrad=True) for it")
+        if group.get("differentiable", False):
+            raise ValueError(f"differentiable=True{where}: {type(self).__name__} updates in place without autograd")
+
+    def _hyper(self, group: dict) -> tuple:
+        """The step's (beta1, beta2, decoupled) as Python values (see :func:`._params.hyper_value`)."""
+        beta1, beta2 = group["betas"]
+        return (P.hyper_value(beta1, "betas[0]"), P.hyper_value(beta2, "betas[1]"),
+                bool(group.get("decoupled_weight_decay", self.decoupled)))
 
     def _step_op(self, seg, params, grads, group, partials, inv_scale, lr, max_norm, backend: str) -> None:
-        beta1, beta2 = group["betas"]
+        beta1, beta2, decoupled = self._hyper(group)
         ops.call_step_("adam_step_", params, grads, seg.master, seg.states["exp_avg"], seg.states["exp_avg_sq"],
-                       seg.steps, partials, inv_scale, lr, self._stats, float(beta1), float(beta2),
-                       float(group["eps"]), float(group["weight_decay"]), max_norm, self.decoupled,
+                       seg.steps, partials, inv_scale, lr, self._stats, beta1, beta2,
+                       float(group["eps"]), float(group["weight_decay"]), max_norm, decoupled,
                        bool(group["maximize"]), backend)
 
     def _step_op_table(self, seg, backend, group, partials, inv_scale, lr, max_norm) -> None:
-        beta1, beta2 = group["betas"]
+        beta1, beta2, decoupled = self._hyper(group)
         table = (seg.table_address, len(seg), seg.table)
         backend.adam_step_table(table, seg.dtype, seg.master, seg.states["exp_avg"],
                                 seg.states["exp_avg_sq"], seg.steps, partials, inv_scale, lr, self._stats,
-                                float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-                                max_norm, self.decoupled, bool(group["maximize"]))
+                                beta1, beta2, float(group["eps"]), float(group["weight_decay"]),
+                                max_norm, decoupled, bool(group["maximize"]))
 
     def _state_keys_for_load(self, saved: dict):
         if "max_exp_avg_sq" in saved:
@@ -67,8 +83,10 @@ class _FusedAdamBase(AdamMath, FusedOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  maximize=False, max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
                  backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None,
-                 foreach=None, fused=None, capturable=False, differentiable=False):
-        defaults = self.adam_defaults(lr, betas, eps, weight_decay, amsgrad, maximize, differentiable)
+                 foreach=None, fused=None, capturable=False, differentiable=False, decoupled_weight_decay=None):
+        defaults = self.adam_defaults(lr, betas, eps, weight_decay, amsgrad, maximize, differentiable,
+                                      foreach=foreach, fused=fused, capturable=capturable,
+                                      decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
                          backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
 
@@ -79,8 +97,10 @@ class FusedAdam(_FusedAdamBase):
     ``master_weights=None`` keeps fp32 masters for fp16/bf16 parameters and none for fp32 ones. Each step
     checks the gradients for infs/NaNs (skipping the step on the device if any), measures their norm, clips
     to ``max_grad_norm`` when given, and updates, in two kernel launches and without a host sync.
-    ``foreach``, ``fused`` and ``capturable`` are accepted for drop-in use and ignored (the step is always
-    fused and capturable).
+    ``foreach``, ``fused`` and ``capturable`` are accepted for drop-in use, kept in the param groups as torch
+    keeps them, and do not change the step (always fused and capturable). ``decoupled_weight_decay=True`` makes
+    it AdamW, as in torch. ``betas`` may be numbers or two 1-element tensors (see docs/differences-from-torch.md
+    for when a device tensor is read).
     """
 
 
@@ -97,4 +117,5 @@ class FusedAdamW(_FusedAdamBase):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          max_grad_norm=max_grad_norm, master_weights=master_weights, backend=backend,
                          spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module, foreach=foreach,
-                         fused=fused, capturable=capturable, differentiable=differentiable)
+                         fused=fused, capturable=capturable, differentiable=differentiable,
+                         decoupled_weight_decay=True)

@@ -15,14 +15,19 @@ class SgdMath:
     state_names = ("momentum_buffer",)
 
     @classmethod
-    def sgd_defaults(cls, lr, momentum, dampening, weight_decay, nesterov, maximize, differentiable) -> dict:
+    def sgd_defaults(cls, lr, momentum, dampening, weight_decay, nesterov, maximize, differentiable, *,
+                     foreach=None, fused=None) -> dict:
+        """The group defaults, with torch.optim.SGD's keys (``foreach`` and ``fused`` kept as given; they do not
+        change the step)."""
         if differentiable:
             raise ValueError(f"differentiable=True: {cls.__name__} updates in place without autograd")
+        P.check_impl_flags(foreach, fused, differentiable)
         P.check_lr(lr)
         P.check_momentum(momentum, dampening, nesterov)
         P.check_weight_decay(weight_decay)
         return dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                    nesterov=bool(nesterov), maximize=bool(maximize))
+                    nesterov=bool(nesterov), maximize=bool(maximize), foreach=foreach, differentiable=False,
+                    fused=fused)
 
     def _validate_group(self, group: dict, where: str) -> None:
         super()._validate_group(group, where)
@@ -44,10 +49,12 @@ class SgdMath:
                                float(group["dampening"]), float(group["weight_decay"]), bool(group["nesterov"]),
                                max_norm, bool(group["maximize"]))
 
-    # torch.optim.SGD keeps no step; its momentum_buffer is None until the first step with momentum.
-    def _export_param_state(self, st: dict, step: float) -> dict:
-        has_momentum = any(g["momentum"] != 0 for g in self.param_groups)
-        out = {"momentum_buffer": st["momentum_buffer"] if step > 0 and has_momentum else None}
+    # torch.optim.SGD keeps no step, and state only for parameters of groups with momentum that a step saw: a
+    # parameter without a momentum buffer exports only its master (when it has one), or nothing.
+    def _export_param_state(self, st: dict, step: float, group: Optional[dict] = None) -> dict:
+        groups = [group] if group is not None else self.param_groups
+        has_momentum = any(g["momentum"] != 0 for g in groups)
+        out = {"momentum_buffer": st["momentum_buffer"]} if step > 0 and has_momentum else {}
         if "master_param" in st:
             out["master_param"] = st["master_param"]
         return out
@@ -63,12 +70,14 @@ class SgdMath:
 
 class FusedSGD(SgdMath, FusedOptimizer):
     """SGD with fp32 master weights for fp16/bf16 parameters, in the fused check + norm + clip + update
-    step. ``foreach``, ``fused`` and ``capturable`` are accepted for drop-in use and ignored."""
+    step. ``foreach``, ``fused`` and ``capturable`` are accepted for drop-in use (``foreach`` and ``fused`` kept
+    in the param groups as torch keeps them) and do not change the step."""
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
                  backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None,
                  foreach=None, fused=None, capturable=False, differentiable=False):
-        defaults = self.sgd_defaults(lr, momentum, dampening, weight_decay, nesterov, maximize, differentiable)
+        defaults = self.sgd_defaults(lr, momentum, dampening, weight_decay, nesterov, maximize, differentiable,
+                                     foreach=foreach, fused=fused)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
                          backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
