@@ -284,7 +284,7 @@ def test_a_policy_instance_drives_one_scaler():
 # --- a user-registered policy -----------------------------------------------------------------------------------
 @ampfused.register_scale_policy("test_overflow_rate")
 class OverflowRatePolicy(ampfused.ScalePolicy):
-    """The README's example: back off on every overflow; grow every growth_interval clean iterations, but only
+    """docs/api.md's example: back off on every overflow; grow every growth_interval clean iterations, but only
     while the recent overflow rate (an exponential moving average kept on the device) is below target."""
 
     def __init__(self, target=0.05, decay=0.9, **bounds):

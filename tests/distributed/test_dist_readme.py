@@ -1,4 +1,4 @@
-"""The README's Distributed examples run as written (on the CPU: "cuda" read as "cpu", float16 autocast as
+"""The examples of docs/distributed.md and the DCP example of docs/checkpoints.md run as written (on the CPU: "cuda" read as "cpu", float16 autocast as
 bfloat16) on 2 gloo processes, with a small bf16 model, a loss and batches of this rank."""
 import contextlib
 import os
@@ -11,13 +11,17 @@ from torch.nn.parallel import DistributedDataParallel
 import ampfused
 from dist_harness import load, run_ranks, save
 
-README = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs")
+DISTRIBUTED = open(os.path.join(DOCS, "distributed.md"), encoding="utf-8").read()
+CHECKPOINTS = open(os.path.join(DOCS, "checkpoints.md"), encoding="utf-8").read()
 
 
 def _examples():
-    section = README[README.index("## Distributed"):README.index("## Benchmark")]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(blocks) == 5, "the Distributed section's examples: DDP, DDP with a token count, ZeRO-1, FSDP2, DCP"
+    blocks = re.findall(r"```python\n(.*?)```", DISTRIBUTED, re.S)
+    assert len(blocks) == 4, "docs/distributed.md's examples: DDP, DDP with a token count, ZeRO-1, FSDP2"
+    section = CHECKPOINTS[CHECKPOINTS.index("## Across world sizes"):]
+    blocks += re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 5, "docs/checkpoints.md's example of torch.distributed.checkpoint across world sizes"
     return [b.replace('"cuda"', '"cpu"').replace("torch.float16", "torch.bfloat16") for b in blocks]
 
 

@@ -1,5 +1,5 @@
-"""The examples of the README's "Use with training frameworks" section run as written (in a scratch folder) and
-train: each framework's one added line is what the suites beside this file test in depth."""
+"""The examples of docs/frameworks.md run as written (in a scratch folder) and train: each framework's one added
+line is what the suites beside this file test in depth."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,14 +13,11 @@ import textwrap
 import pytest
 import torch
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "frameworks.md")
 
 
 def _examples():
-    text = open(README, encoding="utf-8").read()
-    start = text.index("## Use with training frameworks")
-    section = text[start:text.index("\n## ", start + 1)]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
+    return re.findall(r"```python\n(.*?)```", open(DOC, encoding="utf-8").read(), re.S)
 
 
 EXAMPLES = _examples()
@@ -45,7 +42,7 @@ def test_example_runs_and_trains(index, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
     ns = {"__name__": "__main__"}
-    exec(compile(EXAMPLES[index], f"README example {index + 1}", "exec"), ns)
+    exec(compile(EXAMPLES[index], f"docs/frameworks.md example {index + 1}", "exec"), ns)
     if package == "accelerate":
         where = next(ns["model"].parameters()).device  # the accelerator's device: a GPU where there is one
         xs, ys = (torch.stack(t).to(where) for t in zip(*ns["loader"].dataset))
