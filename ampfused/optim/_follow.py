@@ -78,6 +78,9 @@ class FollowParameters:
             return
         if len(self._packed_groups) < len(groups):
             self._packed_groups.extend([None] * (len(groups) - len(self._packed_groups)))
+        elif len(self._packed_groups) > len(groups):  # groups were removed from param_groups by hand
+            del self._packed_groups[len(groups):]
+            self._packed_groups[:] = [None] * len(groups)
         carried = self._take_replacements() if len(self._replaced) else {}
         repack = set()
         for gi, group in enumerate(groups):

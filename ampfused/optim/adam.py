@@ -119,3 +119,14 @@ class FusedAdamW(_FusedAdamBase):
                          spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module, foreach=foreach,
                          fused=fused, capturable=capturable, differentiable=differentiable,
                          decoupled_weight_decay=True)
+
+    # torch.optim.AdamW stays AdamW whatever a loaded state dict's groups say (its __setstate__ sets the key)
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True

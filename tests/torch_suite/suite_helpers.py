@@ -101,7 +101,7 @@ def compare_with_torch(torch_cls, kwargs: dict, param_dtype: torch.dtype, steps:
     grads = grads_for(base, steps, param_dtype)
     ref = {}
     for dt in (torch.float32, torch.float64):
-        ps = [p.detach().to(dt).requires_grad_() for p in base]
+        ps = [p.detach().to(dt).clone().requires_grad_() for p in base]
         topt = torch_cls(ps, **torch_kwargs(reference_kwargs, dt), foreach=False)
         run_steps(topt, ps, [[g.to(dt) for g in s] for s in grads])
         ref[dt] = ps
