@@ -10,7 +10,7 @@ per-optimizer state machine (READY -> UNSCALED -> STEPPED, reset by ``update``),
   The same pass measures the norm of the unscaled gradients, which :func:`ampfused.clip_grad_norm_` reuses.
 * ``update`` runs the scale policy (:mod:`ampfused.policies`; the default is torch's rule, bit for bit, on
   :func:`ampfused.ops.update_scale_`) on the device, with no host read.
-* Fused ampfused optimizers (``_ampfused_fused = True``) unscale their own flat buffers and check infs
+* Fused ampfused optimizers (``_ampfused_fused = True``) unscale the gradients where they live and check infs
   inside their first kernel, so ``step`` hands them the scale and skips torch's separate inf-check pass.
 
 Additions (keyword-only, so torch's signatures are unchanged): ``policy``, ``min_scale``, ``max_scale`` and

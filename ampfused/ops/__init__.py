@@ -1,4 +1,5 @@
-"""Functional layer: stateless ops over flat buffers, dispatched to a backend, registered as custom ops.
+"""Functional layer: stateless ops over parameters and gradients where they live and optimizer state in flat
+buffers, dispatched to a backend, registered as custom ops.
 
 Every function validates its inputs (raising before anything changes), picks a backend
 (``backend=`` > ``AMPFUSED_BACKEND`` > the device's priority list) and calls ``torch.ops.ampfused.<op>``.

@@ -1,4 +1,5 @@
-"""Fused optimizers with fp32 master weights over flat buffers."""
+"""Fused optimizers with fp32 master weights: the parameters and gradients read where they live, the optimizer's
+own state (masters, moments, step counts) in flat buffers per segment (``_segment.py``)."""
 from .adam import FusedAdam, FusedAdamW
 from .sgd import FusedSGD
 
