@@ -58,8 +58,14 @@ def example(doc: str, first_line: str, cpu: bool = True) -> str:
     return code.replace('"cuda"', '"cpu"').replace("torch.float16", "torch.bfloat16") if cpu else code
 
 
+# the documents whose examples are listed above (the others carry tests of their own)
+LISTED = ["README.md"] + [f"docs/{n}.md" for n in ("api", "frameworks", "distributed", "checkpoints", "cuda-graphs",
+                                                    "benchmark", "alignment", "building", "gpu-validation",
+                                                    "architecture")]
+
+
 def test_every_example_is_tested():
-    for doc in DOCS:
+    for doc in LISTED:
         firsts = [b.split("\n", 1)[0] for b in blocks(doc)]
         listed = EXAMPLES.get(doc, [])
         assert len(firsts) == len(listed) and all(f.startswith(s) or s.startswith(f) for f, (s, _) in
