@@ -155,21 +155,29 @@ def check_flat(name: str, t: Tensor, dtypes: Sequence[torch.dtype], device: torc
 
 
 def check_step(backend: str, params, grads, master: Optional[Tensor], states, steps: Tensor, partials: Tensor,
-               inv_scale: Tensor, lr: Tensor, out_stats: Tensor) -> None:
+               inv_scale: Tensor, lr: Tensor, out_stats: Tensor, seed: Optional[Tensor] = None) -> tuple:
     """What a native step kernel relies on beyond :func:`ampfused.ops.checks.step_inputs` (which the ops run
-    first): native dtypes, fp32 flat state buffers that start 16-byte aligned, one gradient dtype."""
+    first): native dtypes, fp32 flat state buffers that start 16-byte aligned, one gradient dtype (compact
+    state: int16 remainders, bf16 moments, an int64 seed). Returns the kernels' compact-state arguments
+    ``(master format, state dtype code, seed address)``."""
+    from .ops import state_precision as sp
     dev = steps.device
+    states = list(states)
+    fmt = sp.step_format(params, master, states, seed)
+    compact = fmt.master != sp.MASTER_FP32 or fmt.state_dtype is not None
     if params:
         _dtype_rule("params[0]", params[0], NATIVE_DTYPES, backend)
     g = next((x for x in grads if x is not None), None)
     if g is not None:
         _dtype_rule("grads", g, NATIVE_DTYPES, backend)
-    if master is not None:
+    if compact:
+        _check_compact(backend, fmt, master, states, seed, dev)
+    elif master is not None:
         _dtype_rule("master", master, (torch.float32,), backend)
     elif params and params[0].dtype != torch.float32:
         raise ValueError(f"params have dtype {params[0].dtype}: without a master buffer they must be float32 "
                          "(pass an fp32 master=...)")
-    for sname, s in list(states) + [("master", master)]:
+    for sname, s in ([] if compact else states + [("master", master)]):
         if s is None:
             continue
         _dtype_rule(sname, s, (torch.float32,), backend)
@@ -180,6 +188,23 @@ def check_step(backend: str, params, grads, master: Optional[Tensor], states, st
     check_scalar("lr", lr, tuple(SCALAR_CODES), dev, backend)
     check_scalar("inv_scale", inv_scale, (torch.float32,), dev, backend)
     _dtype_rule("steps", steps, tuple(SCALAR_CODES), backend)
+    if compact:
+        return fmt.master, DTYPE_CODES[fmt.state_dtype or torch.float32], ptr(seed)
+    return 0, 0, 0
+
+
+def _check_compact(backend: str, fmt, master, states, seed, dev) -> None:
+    """check_step's rules for compact state (the tensors' dtypes were matched by state_precision.step_format)."""
+    from .ops import state_precision as sp
+    if master is not None:
+        _dtype_rule("master", master, (torch.int16,) if fmt.master == sp.MASTER_REMAINDER else (torch.float32,),
+                    backend)
+    for sname, s in states + [("master", master)]:
+        if s is not None and s.numel() and s.data_ptr() % ALIGN:
+            raise ValueError(f"{sname} must start at a {ALIGN}-byte aligned address for the {backend} backend, got "
+                             f"address {s.data_ptr():#x}")
+    if seed is not None:
+        check_scalar("seed", seed, (torch.int64,), dev, backend)
 
 
 def check_state_sizes(backend: str, buffers, total: int, device: torch.device) -> None:

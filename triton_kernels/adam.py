@@ -25,7 +25,9 @@ import triton
 import triton.language as tl
 
 from ._common import (LAUNCH_OPTIONS, TL_DTYPES, device_guard, grid_size, nonempty, _advance_steps, _expm1, _load,
-                      _prologue, _round_to, _state_ptr, _step_chunk, _store, _to_f32)
+                      _prologue, _state_ptr, _step_chunk, _to_f32)
+from ._compact import (MASTER_REMAINDER, _load_state, _load_weight, _store_state, _store_weight, _stream_key,
+                       chunk_state_ptrs, launch_format)
 
 BLOCK = 1024        # elements per program per iteration (8 per thread with 4 warps)
 CHUNK = 8 * BLOCK   # elements per chunk-list entry
@@ -37,15 +39,16 @@ TBLOCK = 1024       # table rows per iteration of the step advance
 
 @triton.jit
 def _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, idx, n, coef, decay, step_size,
-                sqrt_bc2, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, PARAM_DTYPE: tl.constexpr,
-                HAS_MASTER: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
+                sqrt_bc2, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, state, kw, k1, k2,
+                PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, DECOUPLED: tl.constexpr,
+                MAXIMIZE: tl.constexpr, MASTER_FORMAT: tl.constexpr, STATE_BF16: tl.constexpr,
                 MASKED: tl.constexpr):
     g = _to_f32(_load(grad_ptr, idx, n, MASKED)) * coef
     if MAXIMIZE:
         g = -g
-    w = _load(w_ptr, idx, n, MASKED).to(tl.float32)
-    m = _load(exp_avg_ptr, idx, n, MASKED).to(tl.float32)
-    v = _load(exp_avg_sq_ptr, idx, n, MASKED).to(tl.float32)
+    w = _load_weight(param_ptr, w_ptr, idx, n, MASTER_FORMAT, MASKED)
+    m = _load_state(exp_avg_ptr, idx, n, MASKED)
+    v = _load_state(exp_avg_sq_ptr, idx, n, MASKED)
     if DECOUPLED:
         w_new = w * decay
     else:
@@ -57,21 +60,19 @@ def _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, idx, n,
     v_new = v * beta2 + one_minus_beta2 * g * g
     denom = tl.div_rn(tl.sqrt_rn(v_new), sqrt_bc2) + eps
     w_new = w_new - tl.div_rn(step_size * m_new, denom)
-    _store(exp_avg_ptr, idx, n, m_new, MASKED)
-    _store(exp_avg_sq_ptr, idx, n, v_new, MASKED)
-    if HAS_MASTER:
-        _store(w_ptr, idx, n, w_new, MASKED)
-        _store(param_ptr, idx, n, _round_to(w_new, PARAM_DTYPE), MASKED)
-    else:
-        _store(param_ptr, idx, n, w_new, MASKED)
+    index = state + idx  # in the flat buffers: the stochastic rounding's counter
+    _store_state(exp_avg_ptr, idx, n, m_new, k1, index, STATE_BF16, MASKED)
+    _store_state(exp_avg_sq_ptr, idx, n, v_new, k2, index, STATE_BF16, MASKED)
+    _store_weight(param_ptr, w_ptr, idx, n, w_new, kw, index, PARAM_DTYPE, HAS_MASTER, MASTER_FORMAT, MASKED)
 
 
 @triton.jit(do_not_specialize=["num_chunks", "T", "P"])
 def _adam_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, steps_ptr,
-                 partials_ptr, inv_scale_ptr, lr_ptr, out_stats_ptr, counter_ptr, P, p_stride_row, p_stride_col,
-                 one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps, weight_decay, max_norm,
-                 PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
+                 partials_ptr, inv_scale_ptr, lr_ptr, out_stats_ptr, counter_ptr, seed_ptr, P, p_stride_row,
+                 p_stride_col, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps, weight_decay,
+                 max_norm, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
                  DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, CLIP: tl.constexpr, ALIGNED: tl.constexpr,
+                 MASTER_FORMAT: tl.constexpr, STATE_BF16: tl.constexpr, USE_SEED: tl.constexpr,
                  CHUNK: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr, TBLOCK: tl.constexpr):
     norm, found_inf, coef = _prologue(partials_ptr, p_stride_row, p_stride_col, P, inv_scale_ptr, max_norm,
                                       out_stats_ptr, CLIP, PBLOCK)
@@ -83,23 +84,31 @@ def _adam_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, exp_avg_ptr, 
         for c in range(tl.program_id(0), num_chunks, tl.num_programs(0)):
             row, param_ptr, grad_ptr, state, count, w_ptr = _step_chunk(
                 table_ptr, chunks_ptr, c, master_ptr, PARAM_DTYPE, GRAD_DTYPE, HAS_MASTER, ALIGNED, CHUNK)
-            exp_avg_c = _state_ptr(exp_avg_ptr, state)
-            exp_avg_sq_c = _state_ptr(exp_avg_sq_ptr, state)
+            w_ptr, exp_avg_c, exp_avg_sq_c = chunk_state_ptrs(w_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, state,
+                                                              MASTER_FORMAT, STATE_BF16)
             # this parameter's step: t = steps[row] + 1; 1 - beta**t as -expm1(t * log(beta)), as the
             # reference computes it
             t = tl.load(steps_ptr + row).to(tl.float32) + 1.0
+            kw = tl.full((), 0, tl.uint32)
+            k1 = kw
+            k2 = kw
+            if USE_SEED:  # the stochastic rounding's keys at this parameter's step
+                seed = tl.load(seed_ptr)
+                kw, k1, k2 = _stream_key(seed, t, 0), _stream_key(seed, t, 1), _stream_key(seed, t, 2)
             step_size = tl.div_rn(lr, -_expm1(t * log_beta1))
             sqrt_bc2 = tl.sqrt_rn(-_expm1(t * log_beta2))
             full = count // BLOCK
             for b in range(0, full):
                 _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_c, exp_avg_sq_c, b * BLOCK + lanes, count, coef,
                             decay, step_size, sqrt_bc2, one_minus_beta1, beta2, one_minus_beta2, eps,
-                            weight_decay, PARAM_DTYPE, HAS_MASTER, DECOUPLED, MAXIMIZE, False)
+                            weight_decay, state, kw, k1, k2, PARAM_DTYPE, HAS_MASTER, DECOUPLED, MAXIMIZE,
+                            MASTER_FORMAT, STATE_BF16, False)
             # the parameter's last, partial block
             if full * BLOCK < count:
                 _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_c, exp_avg_sq_c, full * BLOCK + lanes, count,
                             coef, decay, step_size, sqrt_bc2, one_minus_beta1, beta2, one_minus_beta2, eps,
-                            weight_decay, PARAM_DTYPE, HAS_MASTER, DECOUPLED, MAXIMIZE, True)
+                            weight_decay, state, kw, k1, k2, PARAM_DTYPE, HAS_MASTER, DECOUPLED, MAXIMIZE,
+                            MASTER_FORMAT, STATE_BF16, True)
         _advance_steps(steps_ptr, table_ptr, T, counter_ptr, TBLOCK)
 
 
@@ -110,7 +119,7 @@ def _log(beta: float) -> float:
 
 def adam_step_(plan, count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
                out_stats, counter, beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float,
-               decoupled: bool, maximize: bool = False) -> None:
+               decoupled: bool, maximize: bool = False, seed=None) -> None:
     """One Adam (L2 decay) / AdamW (decoupled decay) step over the parameters of ``plan``; math as
     ``ampfused.ops.reference.adam_step_``.
 
@@ -129,17 +138,19 @@ def adam_step_(plan, count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq
     master is None); master (or None), exp_avg, exp_avg_sq: flat fp32 buffers laid out by ``state_layout``,
     16-byte aligned; steps: ``[count]`` fp32/fp64; inv_scale: 0-d fp32; lr: 0-d fp32/fp64; partials:
     ``[2, P]`` fp32 (any strides); out_stats: ``[2]`` fp32; counter: ``[1]`` int32 workspace holding 0, left
-    at 0. When found_inf, only out_stats is written.
+    at 0. When found_inf, only out_stats is written. Compact state (``_compact``, read from the buffers'
+    dtypes): int16 master remainders, no master with bf16 params, bf16 moments; ``seed`` 0-d int64.
     """
     programs = max(grid_size(plan.num_chunks, MAX_PROGRAMS), 1)  # no chunk: out_stats is still written
+    fmt = launch_format(param_dtype, master, exp_avg, seed)
     with device_guard(out_stats):
         _adam_kernel[(programs,)](
             plan.table, plan.chunks, plan.num_chunks, count, nonempty(master, out_stats),
             nonempty(exp_avg, out_stats), nonempty(exp_avg_sq, out_stats), nonempty(steps, out_stats),
-            nonempty(partials, out_stats), inv_scale, lr, out_stats, counter,
+            nonempty(partials, out_stats), inv_scale, lr, out_stats, counter, nonempty(seed, counter),
             partials.shape[1], partials.stride(0), partials.stride(1),
             1.0 - beta1, beta2, 1.0 - beta2, _log(beta1), _log(beta2), eps, weight_decay, max_norm,
-            PARAM_DTYPE=TL_DTYPES[param_dtype], GRAD_DTYPE=TL_DTYPES[grad_dtype], HAS_MASTER=master is not None,
+            PARAM_DTYPE=TL_DTYPES[param_dtype], GRAD_DTYPE=TL_DTYPES[grad_dtype], HAS_MASTER=fmt.has_fp32_master,
             DECOUPLED=bool(decoupled), MAXIMIZE=bool(maximize), CLIP=not math.isinf(max_norm),
-            ALIGNED=plan.aligned, CHUNK=plan.chunk, BLOCK=BLOCK, PBLOCK=PBLOCK, TBLOCK=TBLOCK, num_warps=NUM_WARPS,
+            ALIGNED=plan.aligned, MASTER_FORMAT=fmt.master, STATE_BF16=fmt.state_bf16, USE_SEED=seed is not None, CHUNK=plan.chunk, BLOCK=BLOCK, PBLOCK=PBLOCK, TBLOCK=TBLOCK, num_warps=NUM_WARPS,
             **LAUNCH_OPTIONS)

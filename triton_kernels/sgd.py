@@ -12,7 +12,9 @@ import triton
 import triton.language as tl
 
 from ._common import (LAUNCH_OPTIONS, TL_DTYPES, device_guard, grid_size, nonempty, _advance_steps, _load, _prologue,
-                      _round_to, _state_ptr, _step_chunk, _store, _to_f32)
+                      _step_chunk, _to_f32)
+from ._compact import (_load_state, _load_weight, _store_state, _store_weight, _stream_key, chunk_state_ptrs,
+                       launch_format)
 
 BLOCK = 1024
 CHUNK = 8 * BLOCK
@@ -24,37 +26,36 @@ TBLOCK = 1024
 
 @triton.jit
 def _sgd_block(param_ptr, grad_ptr, w_ptr, buf_ptr, idx, n, coef, lr, first, momentum, one_minus_dampening,
-               weight_decay, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
-               NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, MASKED: tl.constexpr):
+               weight_decay, state, kw, k1, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
+               HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
+               MASTER_FORMAT: tl.constexpr, STATE_BF16: tl.constexpr, MASKED: tl.constexpr):
     g = _to_f32(_load(grad_ptr, idx, n, MASKED)) * coef
     if MAXIMIZE:
         g = -g
-    w = _load(w_ptr, idx, n, MASKED).to(tl.float32)
+    w = _load_weight(param_ptr, w_ptr, idx, n, MASTER_FORMAT, MASKED)
     g = tl.where(weight_decay != 0.0, g + weight_decay * w, g)
+    index = state + idx  # in the flat buffers: the stochastic rounding's counter
     if HAS_MOMENTUM:
-        b = _load(buf_ptr, idx, n, MASKED).to(tl.float32)
+        b = _load_state(buf_ptr, idx, n, MASKED)
         # on the first step the buffer may hold anything: it is replaced, never read into the math
         b = tl.where(first, g, b * momentum + one_minus_dampening * g)
-        _store(buf_ptr, idx, n, b, MASKED)
+        _store_state(buf_ptr, idx, n, b, k1, index, STATE_BF16, MASKED)
         if NESTEROV:
             g = g + momentum * b
         else:
             g = b
     w_new = w - lr * g
-    if HAS_MASTER:
-        _store(w_ptr, idx, n, w_new, MASKED)
-        _store(param_ptr, idx, n, _round_to(w_new, PARAM_DTYPE), MASKED)
-    else:
-        _store(param_ptr, idx, n, w_new, MASKED)
+    _store_weight(param_ptr, w_ptr, idx, n, w_new, kw, index, PARAM_DTYPE, HAS_MASTER, MASTER_FORMAT, MASKED)
 
 
 @triton.jit(do_not_specialize=["num_chunks", "T", "P"])
 def _sgd_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, buf_ptr, steps_ptr, partials_ptr, inv_scale_ptr,
-                lr_ptr, out_stats_ptr, counter_ptr, P, p_stride_row, p_stride_col,
+                lr_ptr, out_stats_ptr, counter_ptr, seed_ptr, P, p_stride_row, p_stride_col,
                 momentum, one_minus_dampening, weight_decay, max_norm,
                 PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
                 HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, CLIP: tl.constexpr,
-                ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr,
+                ALIGNED: tl.constexpr, MASTER_FORMAT: tl.constexpr, STATE_BF16: tl.constexpr,
+                USE_SEED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr,
                 TBLOCK: tl.constexpr):
     norm, found_inf, coef = _prologue(partials_ptr, p_stride_row, p_stride_col, P, inv_scale_ptr, max_norm,
                                       out_stats_ptr, CLIP, PBLOCK)
@@ -64,23 +65,32 @@ def _sgd_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, buf_ptr, steps
         for c in range(tl.program_id(0), num_chunks, tl.num_programs(0)):
             row, param_ptr, grad_ptr, state, count, w_ptr = _step_chunk(
                 table_ptr, chunks_ptr, c, master_ptr, PARAM_DTYPE, GRAD_DTYPE, HAS_MASTER, ALIGNED, CHUNK)
-            buf_c = _state_ptr(buf_ptr, state)
-            first = tl.load(steps_ptr + row) == 0.0  # this parameter's first step
+            w_ptr, buf_c, _unused = chunk_state_ptrs(w_ptr, master_ptr, buf_ptr, buf_ptr, state, MASTER_FORMAT,
+                                                     STATE_BF16)
+            step = tl.load(steps_ptr + row)
+            first = step == 0.0  # this parameter's first step
+            kw = tl.full((), 0, tl.uint32)
+            k1 = kw
+            if USE_SEED:  # the stochastic rounding's keys at this parameter's step t = steps[row] + 1
+                seed = tl.load(seed_ptr)
+                t = step.to(tl.float32) + 1.0
+                kw = _stream_key(seed, t, 0)
+                k1 = _stream_key(seed, t, 1)
             full = count // BLOCK
             for b in range(0, full):
                 _sgd_block(param_ptr, grad_ptr, w_ptr, buf_c, b * BLOCK + lanes, count, coef, lr, first, momentum,
-                           one_minus_dampening, weight_decay, PARAM_DTYPE, HAS_MASTER, HAS_MOMENTUM, NESTEROV,
-                           MAXIMIZE, False)
+                           one_minus_dampening, weight_decay, state, kw, k1, PARAM_DTYPE, HAS_MASTER, HAS_MOMENTUM,
+                           NESTEROV, MAXIMIZE, MASTER_FORMAT, STATE_BF16, False)
             if full * BLOCK < count:
                 _sgd_block(param_ptr, grad_ptr, w_ptr, buf_c, full * BLOCK + lanes, count, coef, lr, first,
-                           momentum, one_minus_dampening, weight_decay, PARAM_DTYPE, HAS_MASTER, HAS_MOMENTUM,
-                           NESTEROV, MAXIMIZE, True)
+                           momentum, one_minus_dampening, weight_decay, state, kw, k1, PARAM_DTYPE, HAS_MASTER,
+                           HAS_MOMENTUM, NESTEROV, MAXIMIZE, MASTER_FORMAT, STATE_BF16, True)
         _advance_steps(steps_ptr, table_ptr, T, counter_ptr, TBLOCK)
 
 
 def sgd_step_(plan, count, param_dtype, grad_dtype, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
               counter, momentum: float, dampening: float, weight_decay: float, nesterov: bool, max_norm: float,
-              maximize: bool = False) -> None:
+              maximize: bool = False, seed=None) -> None:
     """One SGD step with torch's semantics over the parameters of ``plan``; math as
     ``ampfused.ops.reference.sgd_step_``.
 
@@ -97,14 +107,16 @@ def sgd_step_(plan, count, param_dtype, grad_dtype, master, momentum_buf, steps,
     """
     programs = max(grid_size(plan.num_chunks, MAX_PROGRAMS), 1)
     has_momentum = momentum != 0
+    fmt = launch_format(param_dtype, master, momentum_buf if has_momentum else None, seed)
     with device_guard(out_stats):
         _sgd_kernel[(programs,)](
             plan.table, plan.chunks, plan.num_chunks, count, nonempty(master, out_stats),
             nonempty(momentum_buf if has_momentum else None, out_stats), nonempty(steps, out_stats),
-            nonempty(partials, out_stats), inv_scale, lr, out_stats, counter,
+            nonempty(partials, out_stats), inv_scale, lr, out_stats, counter, nonempty(seed, counter),
             partials.shape[1], partials.stride(0), partials.stride(1),
             momentum, 1.0 - dampening, weight_decay, max_norm,
-            PARAM_DTYPE=TL_DTYPES[param_dtype], GRAD_DTYPE=TL_DTYPES[grad_dtype], HAS_MASTER=master is not None,
+            PARAM_DTYPE=TL_DTYPES[param_dtype], GRAD_DTYPE=TL_DTYPES[grad_dtype], HAS_MASTER=fmt.has_fp32_master,
             HAS_MOMENTUM=has_momentum, NESTEROV=bool(nesterov), MAXIMIZE=bool(maximize),
-            CLIP=not math.isinf(max_norm), ALIGNED=plan.aligned, CHUNK=plan.chunk, BLOCK=BLOCK, PBLOCK=PBLOCK,
+            CLIP=not math.isinf(max_norm), ALIGNED=plan.aligned, MASTER_FORMAT=fmt.master,
+            STATE_BF16=fmt.state_bf16, USE_SEED=seed is not None, CHUNK=plan.chunk, BLOCK=BLOCK, PBLOCK=PBLOCK,
             TBLOCK=TBLOCK, num_warps=NUM_WARPS, **LAUNCH_OPTIONS)

@@ -135,7 +135,8 @@ def _as_lists(params, grads, steps):
 
 def _step_dtypes(params, grads, master) -> tuple:
     g = next((x for x in grads if x is not None), None)
-    return _dtypes(params[0] if params else None, g, master)
+    # int16 master remainders are state storage, not a compute dtype: backends are chosen by the float dtypes
+    return _dtypes(params[0] if params else None, g, master if master is None or master.is_floating_point() else None)
 
 
 def _step_device(steps: Tensor) -> torch.device:
@@ -146,7 +147,7 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
                exp_avg_sq: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
                out_stats: Tensor, *, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                weight_decay: float = 0.0, max_norm: float = math.inf, decoupled: bool = False,
-               maximize: bool = False, backend: Optional[str] = None) -> None:
+               maximize: bool = False, seed: Optional[Tensor] = None, backend: Optional[str] = None) -> None:
     """Fused Adam/AdamW step (K2) over parameters where they live and flat optimizer state.
 
     params: list of T dense tensors (one dtype, fp32/bf16/fp16; any memory layout), updated in place;
@@ -155,44 +156,46 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
     1-D flat buffers of ``state_layout([p.numel() for p in params])[1]`` elements; steps: ``[T]`` fp32 step
     counts; partials ``[2, P]`` from :func:`norm_check`; inv_scale, lr: 0-d fp32; out_stats: ``[2]`` fp32.
     A single flat parameter may be passed as a tensor (with its gradient as a tensor and a 0-d step).
-    Math: :func:`reference.adam_step_`.
+    Math: :func:`reference.adam_step_`. Compact state (``docs/state-precision.md``): ``master`` int16 (master
+    remainders of bf16 params), ``master=None`` with bf16 params (stochastic rounding), bf16 moments; ``seed``
+    (0-d int64) keys the stochastic rounding and is required by the last two.
     """
     params, grads, steps = _as_lists(params, grads, steps)
     checks.step_inputs(params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], steps,
-                       partials, inv_scale, lr, out_stats)
+                       partials, inv_scale, lr, out_stats, seed)
     checks.scalars(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, max_norm=max_norm)
     name = _pick(steps.device, _step_dtypes(params, grads, master), backend)
     _call("adam_step_", steps, params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
           out_stats, float(beta1), float(beta2), float(eps), float(weight_decay), float(max_norm),
-          bool(decoupled), bool(maximize), name)
+          bool(decoupled), bool(maximize), seed, name)
 
 
 def adamw_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats, *,
                 beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2, max_norm=math.inf, maximize=False,
-                backend=None) -> None:
+                seed=None, backend=None) -> None:
     """Fused AdamW step (decoupled weight decay); see :func:`adam_step_`."""
     adam_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, max_norm=max_norm,
-               decoupled=True, maximize=maximize, backend=backend)
+               decoupled=True, maximize=maximize, seed=seed, backend=backend)
 
 
 def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
               momentum_buf: Optional[Tensor], steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
               out_stats: Tensor, *, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
               nesterov: bool = False, max_norm: float = math.inf, maximize: bool = False,
-              backend: Optional[str] = None) -> None:
+              seed: Optional[Tensor] = None, backend: Optional[str] = None) -> None:
     """Fused SGD step; tensors as :func:`adam_step_` (``momentum_buf`` a flat buffer, needed when
     ``momentum != 0``); math in :func:`reference.sgd_step_`."""
     params, grads, steps = _as_lists(params, grads, steps)
     states = [("momentum_buf", momentum_buf)] if momentum != 0 else []
     if momentum != 0 and momentum_buf is None:
         raise ValueError("momentum_buf is required when momentum != 0")
-    checks.step_inputs(params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
+    checks.step_inputs(params, grads, master, states, steps, partials, inv_scale, lr, out_stats, seed)
     checks.scalars(momentum=momentum, dampening=dampening, weight_decay=weight_decay, max_norm=max_norm)
     name = _pick(steps.device, _step_dtypes(params, grads, master), backend)
     _call("sgd_step_", steps, params, grads, master, momentum_buf if momentum != 0 else None, steps, partials,
           inv_scale, lr, out_stats, float(momentum), float(dampening), float(weight_decay), bool(nesterov),
-          float(max_norm), bool(maximize), name)
+          float(max_norm), bool(maximize), seed, name)
 
 
 def call_update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
@@ -217,6 +220,9 @@ def step_backend(device, dtypes: tuple, backend: Optional[str] = None) -> str:
 
 def call_step_(op: str, *args) -> None:
     """Run a step op (``"adam_step_"`` / ``"sgd_step_"``) with arguments already in the op's form and already
-    validated, the backend name last: the fused optimizers validate what changed on the host and call this
-    each step, so a step does not re-check every tensor."""
+    validated, the backend name last (the ``seed`` before it may be left out: no compact state): the fused
+    optimizers validate what changed on the host and call this each step, so a step does not re-check every
+    tensor."""
+    if len(args) == (18 if op == "adam_step_" else 16):
+        args = args[:-1] + (None, args[-1])
     _call(op, args[5] if op == "adam_step_" else args[4], *args)

@@ -82,8 +82,10 @@ def same_layout(a: Tensor, b: Tensor) -> bool:
 
 def step_inputs(params: Sequence[Tensor], grads: Sequence[Optional[Tensor]], master: Optional[Tensor],
                 states: Iterable[tuple], steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
-                out_stats: Tensor) -> None:
-    """Shared rules of the optimizer-step ops (see ``reference.adam_step_`` for the layout)."""
+                out_stats: Tensor, seed: Optional[Tensor] = None) -> None:
+    """Shared rules of the optimizer-step ops (see ``reference.adam_step_`` for the layout; compact state in
+    ``state_precision``)."""
+    from . import state_precision as sp
     from .reference import state_layout
     if isinstance(params, Tensor) or not isinstance(params, (list, tuple)):
         raise TypeError(f"params must be a list of tensors, got {type(params).__name__}")
@@ -118,15 +120,22 @@ def step_inputs(params: Sequence[Tensor], grads: Sequence[Optional[Tensor]], mas
         if not same_layout(p, g):
             raise ValueError(f"grads[{i}] (shape {tuple(g.shape)}, stride {g.stride()}) must have the shape and "
                              f"memory layout of params[{i}] (shape {tuple(p.shape)}, stride {p.stride()})")
-    if pdtype in LOW_PRECISION and master is None:
+    states = list(states)
+    fmt = sp.step_format(params, master, states, seed)
+    if seed is not None:
+        tensor("seed", seed, dtypes=(torch.int64,), device=dev, scalar=True)
+    if pdtype in LOW_PRECISION and master is None and fmt.master != sp.MASTER_NONE:
         raise ValueError(f"params have dtype {pdtype}: a {pdtype} parameter needs an fp32 master buffer "
-                         "(pass master=...)")
+                         "(pass master=...), int16 master remainders, or no master with seed= (bfloat16 params, "
+                         "stochastic rounding)")
     _, total = state_layout([p.numel() for p in params])
     if master is not None:
-        tensor("master", master, dtypes=(torch.float32, torch.float64), flat=True, device=dev, numel=total)
-    cd = compute_dtype_of(params, master)
+        tensor("master", master, dtypes=(torch.float32, torch.float64, torch.int16), flat=True, device=dev,
+               numel=total)
+    cd = torch.float32 if fmt.master != sp.MASTER_FP32 else compute_dtype_of(params, master)
     for sname, s in states:
-        tensor(sname, s, dtypes=(cd,), flat=True, device=dev, numel=total)
+        tensor(sname, s, dtypes=(cd, torch.bfloat16) if cd == torch.float32 else (cd,), flat=True, device=dev,
+               numel=total)
     tensor("inv_scale", inv_scale, dtypes=(torch.float32,), device=dev, scalar=True)
     tensor("lr", lr, dtypes=(torch.float32, torch.float64), device=dev, scalar=True)
     tensor("partials", partials, dtypes=(torch.float32,), device=dev)

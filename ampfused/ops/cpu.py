@@ -113,40 +113,41 @@ class CpuBackend(Backend):
     def adam_step_(self, params, grads, master: Optional[Tensor], exp_avg: Tensor, exp_avg_sq: Tensor,
                    steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta1: float,
                    beta2: float, eps: float, weight_decay: float, max_norm: float, decoupled: bool,
-                   maximize: bool = False, **options) -> None:
-        """Adam/AdamW; math and tensors in :func:`ampfused.ops.reference.adam_step_`."""
-        _N.check_step(self.name, params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], steps,
-                      partials, inv_scale, lr, out_stats)
+                   maximize: bool = False, seed: Optional[Tensor] = None, **options) -> None:
+        """Adam/AdamW; math and tensors in :func:`ampfused.ops.reference.adam_step_` (compact state included)."""
+        compact = _N.check_step(self.name, params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
+                                steps, partials, inv_scale, lr, out_stats, seed)
         head, tail, keep = self._step_head(params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
                                            steps, partials, inv_scale, lr, out_stats)
         self._launch_adam(head + [exp_avg.data_ptr(), exp_avg_sq.data_ptr()] + tail
                           + [float(beta1), float(beta2), float(eps), float(weight_decay), float(max_norm),
-                             bool(decoupled), bool(maximize)], steps, keep, **options)
+                             bool(decoupled), bool(maximize)], steps, keep, compact, **options)
 
-    def _launch_adam(self, args, steps: Tensor, keep, **options):
+    def _launch_adam(self, args, steps: Tensor, keep, compact=(0, 0, 0), **options):
         if options:
             raise TypeError(f"the {self.name} backend takes no options, got {sorted(options)}")
-        self._mod().adam_step(*args, *self._device_args(steps.device))
+        self._mod().adam_step(*args, *self._device_args(steps.device), *compact)
 
     def sgd_step_(self, params, grads, master: Optional[Tensor], momentum_buf: Optional[Tensor], steps: Tensor,
                   partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, momentum: float,
                   dampening: float, weight_decay: float, nesterov: bool, max_norm: float, maximize: bool = False,
-                  **options) -> None:
+                  seed: Optional[Tensor] = None, **options) -> None:
         """SGD; math and tensors in :func:`ampfused.ops.reference.sgd_step_`."""
         if momentum != 0 and momentum_buf is None:
             raise ValueError("momentum_buf is required when momentum != 0")
         buf = momentum_buf if momentum != 0 else None
         states = [("momentum_buf", buf)] if buf is not None else []
-        _N.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
+        compact = _N.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
+                                seed)
         head, tail, keep = self._step_head(params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
         self._launch_sgd(head + [_N.ptr(buf)] + tail
                          + [float(momentum), float(dampening), float(weight_decay), bool(nesterov),
-                            float(max_norm), bool(maximize)], steps, keep, **options)
+                            float(max_norm), bool(maximize)], steps, keep, compact, **options)
 
-    def _launch_sgd(self, args, steps: Tensor, keep, **options):
+    def _launch_sgd(self, args, steps: Tensor, keep, compact=(0, 0, 0), **options):
         if options:
             raise TypeError(f"the {self.name} backend takes no options, got {sorted(options)}")
-        self._mod().sgd_step(*args, *self._device_args(steps.device))
+        self._mod().sgd_step(*args, *self._device_args(steps.device), *compact)
 
     # ---- the fused optimizers' own tables ---------------------------------------------------------
     # The optimizers' segments keep their tensor tables in host int64 buffers written by ampfused._host (each

@@ -215,7 +215,8 @@ class CudaBackend(CpuBackend):
         return work
 
     def _prepare_step(self, params, grads, master: Optional[Tensor], states, steps: Tensor, partials: Tensor,
-                      inv_scale: Tensor, lr: Tensor, out_stats: Tensor, single_launch: bool):
+                      inv_scale: Tensor, lr: Tensor, out_stats: Tensor, single_launch: bool,
+                      seed: Optional[Tensor] = None):
         """Checks what the kernel relies on; returns the module's arguments before the state addresses, between
         them and the hyperparameters, and after those, and the partials as the kernel reads them (a tensor that
         must live until the launch is enqueued)."""
@@ -230,7 +231,8 @@ class CudaBackend(CpuBackend):
         if len(grads) != len(params) or steps.dim() != 1 or steps.numel() != len(params) or not steps.is_contiguous():
             raise ValueError(f"params, grads and steps must have one entry per parameter, got {len(params)} params, "
                              f"{len(grads)} grads and steps of shape {tuple(steps.shape)}")
-        _N.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
+        compact = _N.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
+                                seed)
         dev = steps.device
         rows, total = _N.step_table(params, grads)
         _N.check_state_sizes(self.name, [("master", master)] + list(states), total, dev)
@@ -245,7 +247,7 @@ class CudaBackend(CpuBackend):
         gcode = _N.grad_code(grads)
 
         def check():
-            checks.step_inputs(params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
+            checks.step_inputs(params, grads, master, states, steps, partials, inv_scale, lr, out_stats, seed)
 
         work = self._work(rows, (pcode, gcode), steps, check)
         if single_launch and (tuple(partials.shape) != (2, work.num_columns) or not partials.is_contiguous()):
@@ -257,7 +259,7 @@ class CudaBackend(CpuBackend):
         tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], part.data_ptr(), part.shape[1], inv_scale.data_ptr(),
                 lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr()]
         launch = [*self._device_args(dev), work.chunks, work.num_chunks, work.columns, work.num_columns,
-                  _counter(steps), bool(single_launch)]
+                  _counter(steps), bool(single_launch), *compact]
         return head, tail, launch, part
 
     # ---- the fused optimizers' own tables (see cpu.py): the same kernels and cached device work -------
@@ -287,7 +289,7 @@ class CudaBackend(CpuBackend):
         tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], part.data_ptr(), part.shape[1], inv_scale.data_ptr(),
                 lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr()]
         launch = [*self._device_args(steps.device), work.chunks, work.num_chunks, work.columns, work.num_columns,
-                  _counter(steps), False]
+                  _counter(steps), False, 0, 0, 0]
         return head, tail, launch, part
 
     def adam_step_table(self, table: tuple, dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
@@ -304,25 +306,26 @@ class CudaBackend(CpuBackend):
                              maximize, *launch)
 
     def adam_step_(self, params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
-                   beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize=False, *,
+                   beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize=False, seed=None, *,
                    single_launch: bool = False) -> None:
         """Adam/AdamW step; ``single_launch=True`` fuses K1 over the gradients (writing ``partials``) into it."""
         states = [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
         head, tail, launch, _part = self._prepare_step(params, grads, master, states, steps, partials, inv_scale,
-                                                       lr, out_stats, single_launch)
+                                                       lr, out_stats, single_launch, seed)
         self._mod().adam_step(*head, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), *tail, float(beta1), float(beta2),
                               float(eps), float(weight_decay), float(max_norm), bool(decoupled), bool(maximize),
                               *launch)
 
     def sgd_step_(self, params, grads, master, momentum_buf, steps, partials, inv_scale, lr, out_stats, momentum,
-                  dampening, weight_decay, nesterov, max_norm, maximize=False, *, single_launch: bool = False) -> None:
+                  dampening, weight_decay, nesterov, max_norm, maximize=False, seed=None, *,
+                  single_launch: bool = False) -> None:
         """SGD step; ``single_launch=True`` fuses K1 over the gradients (writing ``partials``) into it."""
         if momentum != 0 and momentum_buf is None:
             raise ValueError("momentum_buf is required when momentum != 0")
         buf = momentum_buf if momentum != 0 else None
         states = [("momentum_buf", buf)] if buf is not None else []
         head, tail, launch, _part = self._prepare_step(params, grads, master, states, steps, partials, inv_scale,
-                                                       lr, out_stats, single_launch)
+                                                       lr, out_stats, single_launch, seed)
         self._mod().sgd_step(*head, _N.ptr(buf), *tail, float(momentum), float(dampening), float(weight_decay),
                              bool(nesterov), float(max_norm), bool(maximize), *launch)
 

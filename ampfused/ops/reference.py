@@ -35,6 +35,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from . import state_precision as sp
+
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds this to the norm
 STATE_ALIGN = 4  # elements of fp32 state between parameter starts in a flat state buffer (16 bytes)
 
@@ -175,6 +177,47 @@ def _compute_dtype(params: List[Tensor], master: Optional[Tensor]) -> torch.dtyp
     return params[0].dtype if params else torch.float32
 
 
+class _Compact:
+    """How one step loads and stores its weights and moments: the state precision of its buffers
+    (:mod:`ampfused.ops.state_precision`). In the fp32 format every method is the plain load or store."""
+
+    def __init__(self, params, master, states, seed):
+        self.fmt = sp.step_format(params, master, states, seed)
+        self.seed = seed
+        self.master = master
+        if self.fmt.master != sp.MASTER_FP32:
+            self.cd = torch.float32
+        else:
+            self.cd = _compute_dtype(params, master)
+
+    def load_weight(self, pm: Tensor, w: Tensor) -> Tensor:
+        """The compute copy of a parameter: its master, rebuilt from weight and remainder, or the weight."""
+        if self.fmt.master == sp.MASTER_REMAINDER:
+            return sp.join_master(pm, w)
+        return w.to(self.cd)
+
+    def _rand(self, stream: int, t: Tensor, sl: slice, n: int) -> Tensor:
+        key = sp.stream_key(self.seed.to(t.device), t.to(torch.int64), stream)
+        return sp.random_bits(key, torch.arange(sl.start, sl.start + n, dtype=torch.int64, device=t.device))
+
+    def weight_pairs(self, pm: Tensor, w: Tensor, w_new: Tensor, t: Tensor, sl: slice) -> list:
+        """``(tensor, new value)`` for the parameter and its master (or remainder) after the update."""
+        if self.fmt.master == sp.MASTER_REMAINDER:
+            weight, rem = sp.split_master(w_new)
+            return [(pm, weight), (w, rem)]
+        if self.fmt.master == sp.MASTER_NONE:
+            return [(pm, sp.round_stochastic(w_new, self._rand(sp.STREAM_WEIGHT, t, sl, pm.numel())))]
+        if self.master is not None:
+            return [(w, w_new), (pm, w_new.to(pm.dtype))]
+        return [(w, w_new)]
+
+    def state_pair(self, s: Tensor, s_new: Tensor, stream: int, t: Tensor, sl: slice) -> tuple:
+        """``(state slice, new value)``: bf16 moments stored with stochastic rounding."""
+        if self.fmt.state_dtype == torch.bfloat16:
+            return s, sp.round_stochastic(s_new, self._rand(stream, t, sl, s.numel()))
+        return s, s_new
+
+
 def _commit(skip: Tensor, pairs) -> None:
     """Write each new value over its tensor unless the step is skipped (no host read)."""
     for dst, new in pairs:
@@ -196,7 +239,7 @@ def _tensors_to_update(params: List[Tensor], grads: List[Optional[Tensor]], mast
 def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,
                exp_avg_sq: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
                beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float,
-               decoupled: bool, maximize: bool = False) -> None:
+               decoupled: bool, maximize: bool = False, seed: Optional[Tensor] = None) -> None:
     """One Adam (``decoupled=False``, L2 decay) or AdamW (``decoupled=True``) step over a list of parameters.
 
     With ``c = inv_scale * min(1, max_norm / (norm + 1e-6))`` and, for each parameter ``i`` that has a
@@ -217,12 +260,21 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
     out by :func:`state_layout` (element ``j`` of parameter ``i`` in memory order sits at ``offsets[i] + j``).
     ``steps`` is ``[T]`` fp32; ``lr``, ``inv_scale`` 0-d fp32; ``out_stats`` ``[2]`` fp32 receiving
     ``[norm, found_inf]``. Nothing else changes when found_inf.
+
+    Compact state (:mod:`ampfused.ops.state_precision`, read from the buffers' dtypes): ``master`` int16 holds
+    the master remainders of bf16 params (``w = join_master(param, master)`` before, ``param, master =
+    split_master(w)`` after); ``master=None`` with bf16 params and a ``seed`` (0-d int64) updates the weights
+    in fp32 and stores them with ``round_stochastic`` (stream 0); bf16 ``exp_avg``/``exp_avg_sq`` are loaded
+    exactly and stored with ``round_stochastic`` (streams 1, 2). Draws are keyed by (seed, t, stream, the
+    element's index in the flat buffers). The math in between is the fp32 step above.
     """
-    cd = _compute_dtype(params, master)
+    cx = _Compact(params, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], seed)
+    cd = cx.cd
     coef, skip = _prologue(partials, inv_scale, max_norm, out_stats, cd)
     lr_c = lr.to(cd)
-    for i, pm, gm, w, sl in _tensors_to_update(params, grads, master):
-        m, v = exp_avg[sl], exp_avg_sq[sl]
+    for i, pm, gm, w_buf, sl in _tensors_to_update(params, grads, master):
+        m_buf, v_buf = exp_avg[sl], exp_avg_sq[sl]
+        w, m, v = cx.load_weight(pm, w_buf), m_buf.to(cd), v_buf.to(cd)
         g = gm.to(cd) * coef
         if maximize:
             g = -g
@@ -238,23 +290,23 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
         step_size = lr_c / bias_correction(beta1, t)
         denom = v_new.sqrt() / bias_correction(beta2, t).sqrt() + eps
         w_new = w_new - step_size * m_new / denom
-        _commit(skip, [(m, m_new), (v, v_new), (w, w_new)])
-        if master is not None:
-            _commit(skip, [(pm, w_new.to(pm.dtype))])
+        _commit(skip, [cx.state_pair(m_buf, m_new, sp.STREAM_STATE1, t, sl),
+                       cx.state_pair(v_buf, v_new, sp.STREAM_STATE2, t, sl)]
+                + cx.weight_pairs(pm, w_buf, w_new, t, sl))
         steps[i] += (~skip).to(steps.dtype)
 
 
 def adamw_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
-                beta1, beta2, eps, weight_decay, max_norm, maximize=False) -> None:
+                beta1, beta2, eps, weight_decay, max_norm, maximize=False, seed=None) -> None:
     """AdamW (decoupled weight decay); see :func:`adam_step_`."""
     adam_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
-               beta1, beta2, eps, weight_decay, max_norm, True, maximize)
+               beta1, beta2, eps, weight_decay, max_norm, True, maximize, seed)
 
 
 def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
               momentum_buf: Optional[Tensor], steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
               out_stats: Tensor, momentum: float, dampening: float, weight_decay: float, nesterov: bool,
-              max_norm: float, maximize: bool = False) -> None:
+              max_norm: float, maximize: bool = False, seed: Optional[Tensor] = None) -> None:
     """One SGD step with torch's semantics over a list of parameters (layout as :func:`adam_step_`).
 
     For each parameter ``i`` with a gradient::
@@ -265,11 +317,16 @@ def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optio
         w = w - lr * g;  param = round(w);  steps[i] = steps[i] + 1
 
     ``momentum_buf`` is required (a flat buffer like the master) when ``momentum != 0``, else ignored.
+    Compact state as :func:`adam_step_` (a bf16 ``momentum_buf`` is stored with stream 1); ``t = steps[i] + 1``
+    keys the draws.
     """
-    cd = _compute_dtype(params, master)
+    cx = _Compact(params, master, [("momentum_buf", momentum_buf if momentum != 0 else None)], seed)
+    cd = cx.cd
     coef, skip = _prologue(partials, inv_scale, max_norm, out_stats, cd)
     lr_c = lr.to(cd)
-    for i, pm, gm, w, sl in _tensors_to_update(params, grads, master):
+    for i, pm, gm, w_buf, sl in _tensors_to_update(params, grads, master):
+        w = cx.load_weight(pm, w_buf)
+        t = steps[i].to(cd) + 1
         g = gm.to(cd) * coef
         if maximize:
             g = -g
@@ -277,13 +334,10 @@ def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optio
             g = g + weight_decay * w
         pairs = []
         if momentum != 0:
-            b = momentum_buf[sl]
-            b_new = torch.where(steps[i] == 0, g, b * momentum + (1 - dampening) * g)
-            pairs.append((b, b_new))
+            b_buf = momentum_buf[sl]
+            b_new = torch.where(steps[i] == 0, g, b_buf.to(cd) * momentum + (1 - dampening) * g)
+            pairs.append(cx.state_pair(b_buf, b_new, sp.STREAM_STATE1, t, sl))
             g = g + momentum * b_new if nesterov else b_new
         w_new = w - lr_c * g
-        pairs.append((w, w_new))
-        _commit(skip, pairs)
-        if master is not None:
-            _commit(skip, [(pm, w_new.to(pm.dtype))])
+        _commit(skip, pairs + cx.weight_pairs(pm, w_buf, w_new, t, sl))
         steps[i] += (~skip).to(steps.dtype)

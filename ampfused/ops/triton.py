@@ -191,16 +191,16 @@ class TritonBackend(Backend):
                                                backoff_factor, growth_interval, inv_scale, skipped)
 
     def adam_step_(self, params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
-                   beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize=False) -> None:
+                   beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize=False, seed=None) -> None:
         """Adam/AdamW over lists of parameters and gradients; see :func:`ampfused.ops.reference.adam_step_`."""
         params, grads = list(params), list(grads)
         _native.check_step(self.name, params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
-                           steps, partials, inv_scale, lr, out_stats)
+                           steps, partials, inv_scale, lr, out_stats, seed)
         k = _kernels("adam")
         plan = self._step_plan(params, grads, steps, k.CHUNK)
         k.adam_step_(plan, len(params), *self._step_dtypes(params, grads), master, exp_avg, exp_avg_sq, steps,
                      partials, inv_scale, lr, out_stats, self._counter(steps.device), beta1, beta2, eps,
-                     weight_decay, max_norm, decoupled, maximize)
+                     weight_decay, max_norm, decoupled, maximize, seed)
 
     # ---- the fused optimizers' own tables (see cpu.py): the same kernels and cached plans ----------------
     takes_tables = True
@@ -250,19 +250,20 @@ class TritonBackend(Backend):
                     nesterov, max_norm, maximize)
 
     def sgd_step_(self, params, grads, master, momentum_buf, steps, partials, inv_scale, lr, out_stats, momentum,
-                  dampening, weight_decay, nesterov, max_norm, maximize=False) -> None:
+                  dampening, weight_decay, nesterov, max_norm, maximize=False, seed=None) -> None:
         """SGD over lists of parameters and gradients; see :func:`ampfused.ops.reference.sgd_step_`."""
         params, grads = list(params), list(grads)
         if momentum != 0 and momentum_buf is None:
             raise ValueError("momentum_buf is required when momentum != 0")
         buf = momentum_buf if momentum != 0 else None
         states = [("momentum_buf", buf)] if buf is not None else []
-        _native.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
+        _native.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
+                           seed)
         k = _kernels("sgd")
         plan = self._step_plan(params, grads, steps, k.CHUNK)
         k.sgd_step_(plan, len(params), *self._step_dtypes(params, grads), master, buf, steps, partials, inv_scale,
                     lr, out_stats, self._counter(steps.device), momentum, dampening, weight_decay, nesterov,
-                    max_norm, maximize)
+                    max_norm, maximize, seed)
 
 
 BACKEND = TritonBackend()

@@ -35,15 +35,18 @@ struct StepTensor {
   const void* grad;  // never null here: parameters without a gradient are not handed to the drivers
   int64_t n;
   int64_t offset;    // of its first element in master / state1 / state2
+  uint32_t keys[3];  // stochastic rounding: stream_key of the weight, state1, state2 at this step (compact state)
 };
 
 // The step's flat state buffers and the dtypes of the tensors.
 struct StepBufs {
   int param_dtype;
   int grad_dtype;
-  float* master;  // null: the parameters are the fp32 compute copy
+  float* master;  // null: the parameters are the fp32 compute copy (or no master: kMasterNone)
   float* state1;
   float* state2;
+  int master_format = kMasterF32;  // kMasterRemainder: master holds uint16 remainders
+  int state_dtype = kF32;          // kBF16: state1 / state2 hold bf16 moments
 };
 
 #define AMPFUSED_CPU_ISA_API(ns)                                                                      \

@@ -292,6 +292,47 @@ void sgd_range(const StepBufs& b, const StepTensor& t, const SgdConsts& consts, 
   else update_range(lo, hi, update);
 }
 
+// Compact state (math.h): elements [lo, hi) of one parameter with the weight kept as kFmt says and the moments
+// stored as S (float, or bf16 with stochastic rounding); apply(g, w, s1, s2) is the optimizer's element
+// update. Element i draws its random bits at index offset + i of the flat state buffers.
+template <typename G, typename P, int kFmt, typename S, int kStates, typename Apply>
+void compact_range(const StepBufs& b, const StepTensor& t, int64_t lo, int64_t hi, Apply apply) {
+  const G* __restrict g = static_cast<const G*>(t.grad);
+  P* __restrict p = static_cast<P*>(t.param);
+  float* __restrict master = kFmt == kMasterF32 ? b.master : nullptr;
+  uint16_t* __restrict rem = kFmt == kMasterRemainder ? reinterpret_cast<uint16_t*>(b.master) + t.offset : nullptr;
+  if (master) master += t.offset;
+  S* __restrict s1 = kStates >= 1 ? reinterpret_cast<S*>(b.state1) + t.offset : nullptr;
+  S* __restrict s2 = kStates >= 2 ? reinterpret_cast<S*>(b.state2) + t.offset : nullptr;
+  const uint32_t kw = t.keys[0], k1 = t.keys[1], k2 = t.keys[2];
+  const int64_t base = t.offset;
+#pragma omp simd
+  for (int64_t i = lo; i < hi; ++i) {
+    float w;
+    if (kFmt == kMasterRemainder) w = join_master(bf16_t{reinterpret_cast<const bf16_t*>(p)[i].bits}, rem[i]);
+    else if (kFmt == kMasterNone || !master) w = to_f32(p[i]);
+    else w = master[i];
+    float a = kStates >= 1 ? load_state(s1[i]) : 0.0f;
+    float c = kStates >= 2 ? load_state(s2[i]) : 0.0f;
+    apply(to_f32(g[i]), w, a, c);
+    const int64_t index = base + i;
+    if (kStates >= 1) store_state(s1[i], a, random_bits(k1, index));
+    if (kStates >= 2) store_state(s2[i], c, random_bits(k2, index));
+    if (kFmt == kMasterRemainder) {
+      bf16_t wb;
+      split_master(w, wb, rem[i]);
+      reinterpret_cast<bf16_t*>(p)[i] = wb;
+    } else if (kFmt == kMasterNone) {
+      reinterpret_cast<bf16_t*>(p)[i] = round_stochastic(w, random_bits(kw, index));
+    } else if (master) {
+      master[i] = w;
+      p[i] = from_f32<P>(w);
+    } else {
+      p[i] = from_f32<P>(w);
+    }
+  }
+}
+
 // One unit of parallel work: elements [lo, hi) of tensor k.
 struct Work {
   int64_t k, lo, hi;
@@ -319,6 +360,35 @@ void parallel_blocks(const StepTensor* ts, int64_t count, int nthreads, F&& fn) 
   }
 }
 
+// The compact step over every tensor: G the gradients' type, kStates the moments a step keeps (0-2), make(k)
+// the element update of tensor k. Dispatches the master format and the moments' storage.
+template <typename G, int kStates, typename Make>
+void compact_apply(const StepBufs& b, const StepTensor* ts, int64_t count, int nthreads, Make make) {
+  const auto run = [&](auto ptag, auto fmt, auto stag) {
+    using P = decltype(ptag);
+    using S = decltype(stag);
+    constexpr int kFmt = decltype(fmt)::value;
+    parallel_blocks(ts, count, nthreads, [&](int64_t k, int64_t lo, int64_t hi, bool) {
+      compact_range<G, P, kFmt, S, kStates>(b, ts[k], lo, hi, make(k));
+    });
+  };
+  const auto with_state = [&](auto ptag, auto fmt) {
+    if (b.state_dtype == kBF16) run(ptag, fmt, bf16_t{});
+    else run(ptag, fmt, float{});
+  };
+  if (b.master_format == kMasterRemainder) {
+    with_state(bf16_t{}, std::integral_constant<int, kMasterRemainder>{});
+  } else if (b.master_format == kMasterNone) {
+    with_state(bf16_t{}, std::integral_constant<int, kMasterNone>{});
+  } else if (!b.master) {
+    run(float{}, std::integral_constant<int, kMasterF32>{}, bf16_t{});
+  } else {
+    with_type(b.param_dtype, [&](auto ptag) { run(ptag, std::integral_constant<int, kMasterF32>{}, bf16_t{}); });
+  }
+}
+
+inline bool is_compact(const StepBufs& b) { return b.master_format != kMasterF32 || b.state_dtype == kBF16; }
+
 }  // namespace
 
 void norm_check(const Buf* bufs, int64_t nbufs, const int64_t* first_chunk, float inv_scale,
@@ -345,6 +415,15 @@ void norm_check(const Buf* bufs, int64_t nbufs, const int64_t* first_chunk, floa
 }
 
 void adam_apply(const StepBufs& b, const StepTensor* ts, const AdamConsts* c, int64_t count, int nthreads) {
+  if (is_compact(b)) {
+    with_type(b.grad_dtype, [&](auto gtag) {
+      compact_apply<decltype(gtag), 2>(b, ts, count, nthreads, [&](int64_t k) {
+        const AdamConsts ck = c[k];
+        return [ck](float g, float& w, float& m, float& v) { adam_update(g, w, m, v, ck); };
+      });
+    });
+    return;
+  }
   with_type(b.grad_dtype, [&](auto gtag) {
     with_type(b.param_dtype, [&](auto ptag) {
       using G = decltype(gtag);
@@ -363,6 +442,17 @@ void adam_apply(const StepBufs& b, const StepTensor* ts, const AdamConsts* c, in
 }
 
 void sgd_apply(const StepBufs& b, const StepTensor* ts, const SgdConsts* c, int64_t count, int nthreads) {
+  if (is_compact(b)) {
+    const auto make = [&](int64_t k) {
+      const SgdConsts ck = c[k];
+      return [ck](float g, float& w, float& m, float&) { sgd_update(g, w, m, ck); };
+    };
+    with_type(b.grad_dtype, [&](auto gtag) {
+      if (b.state1) compact_apply<decltype(gtag), 1>(b, ts, count, nthreads, make);
+      else compact_apply<decltype(gtag), 0>(b, ts, count, nthreads, make);
+    });
+    return;
+  }
   with_type(b.grad_dtype, [&](auto gtag) {
     with_type(b.param_dtype, [&](auto ptag) {
       using G = decltype(gtag);

@@ -162,11 +162,11 @@ std::vector<int64_t> active_rows(const StepArgs& a) {
 StepTensor tensor_of(const StepArgs& a, int64_t k) {
   const int64_t* r = a.table + k * kTableCols;
   return StepTensor{addr<void>(uintptr_t(r[kColParam])), addr<const void>(uintptr_t(r[kColGrad])), r[kColNumel],
-                    r[kColOffset]};
+                    r[kColOffset], {0u, 0u, 0u}};
 }
 
 StepBufs bufs_of(const StepArgs& a) {
-  return StepBufs{a.param_dtype, a.grad_dtype, a.master, a.state1, a.state2};
+  return StepBufs{a.param_dtype, a.grad_dtype, a.master, a.state1, a.state2, a.master_format, a.state_dtype};
 }
 
 // The step after the tensor table was checked: prologue (skip on found_inf), per-parameter constants from each
@@ -180,9 +180,16 @@ void run_step(const StepArgs& a, double max_norm, int nthreads, Make make, Apply
   const std::vector<int64_t> rows = active_rows(a);
   std::vector<StepTensor> ts;
   std::vector<Consts> cs;
+  const uint64_t seed = a.seed ? uint64_t(*a.seed) : 0;
   for (int64_t k : rows) {
-    ts.push_back(tensor_of(a, k));
-    cs.push_back(make(coef, lr_f, read_scalar(scalar_at(a.steps, a.step_code, k), a.step_code)));
+    const double step = read_scalar(scalar_at(a.steps, a.step_code, k), a.step_code);
+    StepTensor t = tensor_of(a, k);
+    if (a.seed) {
+      const uint32_t tk = key_step(next_step(step));
+      for (uint32_t s = 0; s < 3; ++s) t.keys[s] = stream_key(seed, tk, s);
+    }
+    ts.push_back(t);
+    cs.push_back(make(coef, lr_f, step));
   }
   apply(bufs_of(a), ts.data(), cs.data(), int64_t(ts.size()), nthreads);
   for (int64_t k : rows) add_one(scalar_at(a.steps, a.step_code, k), a.step_code);
@@ -204,10 +211,11 @@ void adam_step(const py::object& table, int64_t count, int param_dtype, int grad
                uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t steps, int step_code, uintptr_t partials,
                int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats,
                double beta1, double beta2, double eps, double weight_decay, double max_norm, bool decoupled,
-               bool maximize, int nthreads) {
+               bool maximize, int nthreads, int master_format, int state_dtype, uintptr_t seed) {
   std::vector<int64_t> keep;
   const StepArgs a = step_args(table_address(table, count, &keep), count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq,
-                               steps, step_code, partials, num_partials, inv_scale, lr, lr_code, out_stats);
+                               steps, step_code, partials, num_partials, inv_scale, lr, lr_code, out_stats,
+                               master_format, state_dtype, seed);
   py::gil_scoped_release nogil;
   run_step<AdamConsts>(a, max_norm, nthreads, [&](float coef, float lr_f, double step) {
     return make_adam_consts(coef, lr_f, next_step(step), beta1, beta2, eps, weight_decay, decoupled, maximize);
@@ -217,11 +225,12 @@ void adam_step(const py::object& table, int64_t count, int param_dtype, int grad
 void sgd_step(const py::object& table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
               uintptr_t momentum_buf, uintptr_t steps, int step_code, uintptr_t partials, int64_t num_partials,
               uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double momentum,
-              double dampening, double weight_decay, bool nesterov, double max_norm, bool maximize, int nthreads) {
+              double dampening, double weight_decay, bool nesterov, double max_norm, bool maximize, int nthreads,
+              int master_format, int state_dtype, uintptr_t seed) {
   std::vector<int64_t> keep;
   const StepArgs a = step_args(table_address(table, count, &keep), count, param_dtype, grad_dtype, master,
                                momentum != 0.0 ? momentum_buf : 0, 0, steps, step_code, partials, num_partials, inv_scale,
-                               lr, lr_code, out_stats);
+                               lr, lr_code, out_stats, master_format, state_dtype, seed);
   py::gil_scoped_release nogil;
   run_step<SgdConsts>(a, max_norm, nthreads, [&](float coef, float lr_f, double step) {
     return make_sgd_consts(coef, lr_f, float(step), momentum, dampening, weight_decay, nesterov, maximize);
@@ -273,7 +282,19 @@ PYBIND11_MODULE(_C, m) {
   m.def("norm_check_tables", &norm_check_tables, py::arg("tables"), py::arg("counts"), py::arg("dtypes"),
         py::arg("inv_scale"), py::arg("partials"), py::arg("num_partials"), py::arg("unscale"),
         py::arg("num_threads"));
-  m.def("adam_step", &adam_step);
-  m.def("sgd_step", &sgd_step);
+  // the compact state's three arguments (master format, state dtype code, seed address) come after the thread
+  // count and default to the fp32 state
+  m.def("adam_step", &adam_step, py::arg("table"), py::arg("count"), py::arg("param_dtype"), py::arg("grad_dtype"),
+        py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("steps"), py::arg("step_code"),
+        py::arg("partials"), py::arg("num_partials"), py::arg("inv_scale"), py::arg("lr"), py::arg("lr_code"),
+        py::arg("out_stats"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("max_norm"), py::arg("decoupled"), py::arg("maximize"), py::arg("num_threads"),
+        py::arg("master_format") = 0, py::arg("state_dtype") = 0, py::arg("seed") = uintptr_t(0));
+  m.def("sgd_step", &sgd_step, py::arg("table"), py::arg("count"), py::arg("param_dtype"), py::arg("grad_dtype"),
+        py::arg("master"), py::arg("momentum_buf"), py::arg("steps"), py::arg("step_code"), py::arg("partials"),
+        py::arg("num_partials"), py::arg("inv_scale"), py::arg("lr"), py::arg("lr_code"), py::arg("out_stats"),
+        py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"), py::arg("max_norm"),
+        py::arg("maximize"), py::arg("num_threads"), py::arg("master_format") = 0, py::arg("state_dtype") = 0,
+        py::arg("seed") = uintptr_t(0));
   m.def("update_scale", &update_scale_op, py::call_guard<py::gil_scoped_release>());
 }

@@ -87,9 +87,9 @@ void adam_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, 
                uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double beta1, double beta2,
                double eps, double weight_decay, double max_norm, bool decoupled, bool maximize, int device,
                uintptr_t stream, uintptr_t chunks, int64_t num_chunks, uintptr_t columns, int64_t num_columns,
-               uintptr_t counter, bool single_launch) {
+               uintptr_t counter, bool single_launch, int master_format, int state_dtype, uintptr_t seed) {
   const StepArgs a = step_args(table, count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq, steps, step_code,
-                               partials, P, inv_scale, lr, lr_code, out_stats);
+                               partials, P, inv_scale, lr, lr_code, out_stats, master_format, state_dtype, seed);
   const cuda::WorkList w = work_list(a, chunks, num_chunks, columns, num_columns, single_launch);
   const AdamHyper h{beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize};
   check(cuda::adam_step(device, stream, a, w, h, addr<int32_t>(counter), single_launch));
@@ -100,9 +100,10 @@ void sgd_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, u
               uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double momentum, double dampening,
               double weight_decay, bool nesterov, double max_norm, bool maximize, int device, uintptr_t stream,
               uintptr_t chunks, int64_t num_chunks, uintptr_t columns, int64_t num_columns, uintptr_t counter,
-              bool single_launch) {
+              bool single_launch, int master_format, int state_dtype, uintptr_t seed) {
   const StepArgs a = step_args(table, count, param_dtype, grad_dtype, master, momentum != 0.0 ? momentum_buf : 0, 0,
-                               steps, step_code, partials, P, inv_scale, lr, lr_code, out_stats);
+                               steps, step_code, partials, P, inv_scale, lr, lr_code, out_stats, master_format,
+                               state_dtype, seed);
   const cuda::WorkList w = work_list(a, chunks, num_chunks, columns, num_columns, single_launch);
   const SgdHyper h{momentum, dampening, weight_decay, max_norm, nesterov, maximize};
   check(cuda::sgd_step(device, stream, a, w, h, addr<int32_t>(counter), single_launch));

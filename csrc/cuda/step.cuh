@@ -22,6 +22,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "common.cuh"
 
@@ -38,6 +39,7 @@ struct ChunkRow {
   int64_t offset;   // of its first element in master / state1 / state2
   int64_t row;      // table row; -1 before the first chunk
   int64_t lo;       // first element of the chunk
+  uint32_t keys[3]; // compact state: stream_key of the weight, state1, state2 at this parameter's step
 };
 
 // Elements [lo, min(n, lo + kStepChunk)) of one parameter, in memory order, by the whole block.
@@ -83,9 +85,48 @@ __device__ __forceinline__ void update_chunk(const StepArgs& a, const G* __restr
   }
 }
 
+// Compact state (math.h, ampfused/ops/state_precision.py): elements [lo, min(n, lo + kStepChunk)) with the
+// weight kept as kFmt says (an fp32 master, uint16 remainders beside bf16 weights, or none: stochastic
+// rounding) and the moments stored as S (float, or bf16 with stochastic rounding); one element per thread
+// per iteration (coalesced across the block). Element i draws at index offset + i of the flat buffers.
+template <typename G, typename P, typename Op, int kFmt, typename S>
+__device__ __forceinline__ void update_chunk_compact(const StepArgs& a, const G* __restrict__ grad,
+                                                     P* __restrict__ param, int64_t n, int64_t offset, int64_t lo,
+                                                     const typename Op::Consts& c, const uint32_t* keys) {
+  const int64_t hi = n < lo + kStepChunk ? n : lo + kStepChunk;
+  float* __restrict__ master = kFmt == kMasterF32 && a.master ? a.master + offset : nullptr;
+  uint16_t* __restrict__ rem = kFmt == kMasterRemainder ? reinterpret_cast<uint16_t*>(a.master) + offset : nullptr;
+  S* __restrict__ s1 = a.state1 ? reinterpret_cast<S*>(a.state1) + offset : nullptr;
+  S* __restrict__ s2 = a.state2 ? reinterpret_cast<S*>(a.state2) + offset : nullptr;
+  const uint32_t kw = keys[0], k1 = keys[1], k2 = keys[2];
+  for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
+    float w;
+    if (kFmt == kMasterRemainder) w = join_master(bf16_t{reinterpret_cast<const bf16_t*>(param)[i].bits}, rem[i]);
+    else if (kFmt == kMasterNone || !master) w = to_f32(param[i]);
+    else w = master[i];
+    float v1 = s1 ? load_state(s1[i]) : 0.0f, v2 = s2 ? load_state(s2[i]) : 0.0f;
+    Op::apply(to_f32(grad[i]), w, v1, v2, c);
+    const int64_t index = offset + i;
+    if (s1) store_state(s1[i], v1, random_bits(k1, index));
+    if (s2) store_state(s2[i], v2, random_bits(k2, index));
+    if (kFmt == kMasterRemainder) {
+      bf16_t wb;
+      uint16_t r;
+      split_master(w, wb, r);
+      rem[i] = r;
+      reinterpret_cast<bf16_t*>(param)[i] = wb;
+    } else if (kFmt == kMasterNone) {
+      reinterpret_cast<bf16_t*>(param)[i] = round_stochastic(w, random_bits(kw, index));
+    } else {
+      if (master) master[i] = w;
+      param[i] = from_f32<P>(w);
+    }
+  }
+}
+
 // single_launch is a kernel argument, not a template parameter: one kernel per type pair serves both
 // paths (the barrier is reached only in a cooperative launch) and the build stays small.
-template <typename G, typename P, typename Op>
+template <typename G, typename P, typename Op, int kFmt = kMasterF32, typename S = float>
 __global__ void __launch_bounds__(kThreads) step_kernel(const StepArgs a, const WorkList work,
                                                         const typename Op::Hyper h, int32_t* __restrict__ counter,
                                                         const int single_launch) {
@@ -119,24 +160,35 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const StepArgs a, const 
         cur.n = r[kColNumel];
         cur.offset = r[kColOffset];
         cur.row = row;
-        cur.consts = Op::make(pro.coef, pro.lr, read_scalar(scalar_at(a.steps, a.step_code, row), a.step_code), h);
+        const double step = read_scalar(scalar_at(a.steps, a.step_code, row), a.step_code);
+        cur.consts = Op::make(pro.coef, pro.lr, step, h);
+        if (a.seed) {
+          const uint32_t t = key_step(next_step(step));
+          for (uint32_t k = 0; k < 3; ++k) cur.keys[k] = stream_key(uint64_t(*a.seed), t, k);
+        }
       }
       cur.lo = work_index(item) * kStepChunk;
     }
     __syncthreads();
     const typename Op::Consts c = cur.consts;
-    update_chunk<G, P, Op>(a, static_cast<const G*>(cur.grad), static_cast<P*>(cur.param), cur.n, cur.offset, cur.lo,
-                           c);
+    if constexpr (kFmt == kMasterF32 && std::is_same<S, float>::value) {
+      update_chunk<G, P, Op>(a, static_cast<const G*>(cur.grad), static_cast<P*>(cur.param), cur.n, cur.offset,
+                             cur.lo, c);
+    } else {
+      const uint32_t keys[3] = {cur.keys[0], cur.keys[1], cur.keys[2]};
+      update_chunk_compact<G, P, Op, kFmt, S>(a, static_cast<const G*>(cur.grad), static_cast<P*>(cur.param), cur.n,
+                                              cur.offset, cur.lo, c, keys);
+    }
     __syncthreads();  // everyone is done with `cur` before thread 0 moves it to the next chunk
   }
   count_and_advance_steps(a, counter);
 }
 
-// Blocks of step_kernel<G, P, Op> that fit on the device at once (cached per device).
-template <typename G, typename P, typename Op>
+// Blocks of step_kernel<G, P, Op, kFmt, S> that fit on the device at once (cached per device).
+template <typename G, typename P, typename Op, int kFmt = kMasterF32, typename S = float>
 int resident_blocks(int device) {
   static int cached[64] = {};
-  auto kernel = step_kernel<G, P, Op>;
+  auto kernel = step_kernel<G, P, Op, kFmt, S>;
   if (device < 0 || device >= 64) return sm_count(device);
   if (!cached[device]) {
     use_device(device);
@@ -150,15 +202,15 @@ int resident_blocks(int device) {
   return cached[device];
 }
 
-template <typename G, typename P, typename Op>
+template <typename G, typename P, typename Op, int kFmt = kMasterF32, typename S = float>
 std::string launch_step_typed(int device, cudaStream_t s, const StepArgs& a, const WorkList& w,
                               const typename Op::Hyper& h, int32_t* counter, bool single_launch) {
   // a persistent grid: one block per unit of work, at most the resident blocks, at least one (a step with
   // no elements still records out_stats and advances the counts of its empty parameters)
   const int64_t want = single_launch ? std::max(w.num_chunks, w.num_columns) : w.num_chunks;
-  const int64_t resident = resident_blocks<G, P, Op>(device);
+  const int64_t resident = resident_blocks<G, P, Op, kFmt, S>(device);
   const int grid = int(std::max<int64_t>(1, std::min(want, resident)));
-  auto kernel = step_kernel<G, P, Op>;
+  auto kernel = step_kernel<G, P, Op, kFmt, S>;
   cudaError_t e;
   if (single_launch) {
     StepArgs args = a;
@@ -189,10 +241,27 @@ std::string launch_step(int device, uintptr_t stream, const StepArgs& a, const W
   std::string err = use_device(device);
   if (!err.empty()) return err;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  const bool compact_states = a.state_dtype == kBF16;
   with_type(a.grad_dtype, [&](auto gtag) {
-    with_type(a.master ? a.param_dtype : kF32, [&](auto ptag) {
-      err = launch_step_typed<decltype(gtag), decltype(ptag), Op>(device, s, a, w, h, counter, single_launch);
-    });
+    using G = decltype(gtag);
+    if (a.master_format == kMasterRemainder) {
+      err = compact_states ? launch_step_typed<G, bf16_t, Op, kMasterRemainder, bf16_t>(device, s, a, w, h, counter,
+                                                                                       single_launch)
+                           : launch_step_typed<G, bf16_t, Op, kMasterRemainder, float>(device, s, a, w, h, counter,
+                                                                                      single_launch);
+    } else if (a.master_format == kMasterNone) {
+      err = compact_states ? launch_step_typed<G, bf16_t, Op, kMasterNone, bf16_t>(device, s, a, w, h, counter,
+                                                                                  single_launch)
+                           : launch_step_typed<G, bf16_t, Op, kMasterNone, float>(device, s, a, w, h, counter,
+                                                                                 single_launch);
+    } else {
+      with_type(a.master ? a.param_dtype : kF32, [&](auto ptag) {
+        using P = decltype(ptag);
+        err = compact_states
+                  ? launch_step_typed<G, P, Op, kMasterF32, bf16_t>(device, s, a, w, h, counter, single_launch)
+                  : launch_step_typed<G, P, Op>(device, s, a, w, h, counter, single_launch);
+      });
+    }
   });
   return err;
 }

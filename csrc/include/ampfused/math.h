@@ -224,6 +224,74 @@ AF_HD void sgd_update(float g, float& w, float& b, const SgdConsts& c) {
   w = w - c.lr * g;
 }
 
+// ---- compact state (ampfused/ops/state_precision.py) ---------------------------------------------------
+
+// How a step keeps its master weights: an fp32 buffer (or fp32 parameters that are their own master), the
+// 16-bit remainders of bf16 parameters, or none (bf16 parameters rounded stochastically).
+enum MasterFormat : int { kMasterF32 = 0, kMasterRemainder = 1, kMasterNone = 2 };
+// Streams of the stochastic rounding: the weight, state1 (exp_avg / momentum_buf), state2 (exp_avg_sq).
+enum RandomStream : uint32_t { kStreamWeight = 0, kStreamState1 = 1, kStreamState2 = 2 };
+
+// state_precision.mix32: a 32-bit integer hash (a bijection).
+AF_HD uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// state_precision.stream_key: one parameter's key at its step t (the step being taken) in a stream.
+AF_HD uint32_t stream_key(uint64_t seed, uint32_t t, uint32_t stream) {
+  uint32_t k = mix32(uint32_t(seed) ^ 0x243F6A88u);
+  k = mix32(k ^ uint32_t(seed >> 32));
+  k = mix32(k ^ t);
+  return mix32(k ^ (stream * 0x9E3779B9u));
+}
+
+// The step number of a key: t = steps[i] + 1 (an integer-valued float), as an integer mod 2^32.
+AF_HD uint32_t key_step(double t) { return uint32_t(uint64_t(int64_t(t))); }
+
+// state_precision.random_bits: 32 bits for the element at `index` of the flat state buffers.
+AF_HD uint32_t random_bits(uint32_t key, int64_t index) {
+  const uint64_t u = uint64_t(index);
+  return mix32((key + uint32_t(u >> 32) * 0x9E3779B9u) ^ uint32_t(u));
+}
+
+// state_precision.round_stochastic: fp32 -> bf16, up in magnitude with probability (dropped bits) / 2^16.
+AF_HD bf16_t round_stochastic(float f, uint32_t r) {
+  const uint32_t u = f32_bits(f);
+  const uint32_t nan = (u >> 16) | 0x40u;
+  const uint32_t rounded = (u + (r & 0xFFFFu)) >> 16;
+  return bf16_t{uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded)};
+}
+
+// state_precision.split_master: fp32 master -> bf16 weight (nearest, ties away from zero) and the low 16 bits.
+AF_HD void split_master(float master, bf16_t& weight, uint16_t& remainder) {
+  uint32_t u = f32_bits(master);
+  u = (u & 0x7fffffffu) > 0x7f800000u ? ((u & 0xFFFF0000u) | 0x00400000u) : u;
+  const uint32_t mag = u & 0x7fffffffu;
+  const uint32_t low = mag & 0xFFFFu;
+  const uint32_t high = (mag >> 16) + (low >= 0x8000u ? 1u : 0u);
+  weight = bf16_t{uint16_t(((u & 0x80000000u) >> 16) | high)};
+  remainder = uint16_t(low);
+}
+
+// state_precision.join_master: the inverse of split_master.
+AF_HD float join_master(bf16_t weight, uint16_t remainder) {
+  const uint32_t w = weight.bits;
+  const uint32_t low = remainder;
+  const uint32_t high = (w & 0x7fffu) - (low >= 0x8000u ? 1u : 0u);
+  return f32_from_bits(((w & 0x8000u) << 16) | (high << 16) | low);
+}
+
+// A 16-bit moment: loaded exactly, stored with stochastic rounding (an fp32 moment is stored as it is).
+AF_HD float load_state(float s) { return s; }
+AF_HD float load_state(bf16_t s) { return to_f32(s); }
+AF_HD void store_state(float& dst, float s, uint32_t) { dst = s; }
+AF_HD void store_state(bf16_t& dst, float s, uint32_t r) { dst = round_stochastic(s, r); }
+
 // ---- scale policy --------------------------------------------------------------------------------
 
 // reference.update_scale_ (torch._amp_update_scale_): products in fp64, rounded once to fp32.

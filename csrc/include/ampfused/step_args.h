@@ -42,6 +42,12 @@ struct StepArgs {
   const void* lr = nullptr;          // 0-d, lr_code
   int lr_code = 0;
   float* out_stats = nullptr;        // [2] fp32: norm, found_inf
+  // compact state (math.h, ampfused/ops/state_precision.py): the master's format (master then points at
+  // uint16 remainders, or is null), the moments' storage dtype (kF32 or kBF16), the stochastic rounding's seed
+  // (0-d int64 in the kernels' memory; null when nothing is rounded stochastically)
+  int master_format = 0;
+  int state_dtype = 0;
+  const int64_t* seed = nullptr;
 };
 
 struct AdamHyper {
@@ -61,7 +67,8 @@ inline T* addr(uintptr_t p) { return reinterpret_cast<T*>(p); }
 // StepArgs from the addresses and codes the Python side passes (both modules' step entries take these).
 inline StepArgs step_args(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
                           uintptr_t state1, uintptr_t state2, uintptr_t steps, int step_code, uintptr_t partials,
-                          int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats) {
+                          int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats,
+                          int master_format = 0, int state_dtype = 0, uintptr_t seed = 0) {
   StepArgs a;
   a.table = addr<const int64_t>(table);
   a.count = count;
@@ -78,6 +85,9 @@ inline StepArgs step_args(uintptr_t table, int64_t count, int param_dtype, int g
   a.lr = addr<const void>(lr);
   a.lr_code = lr_code;
   a.out_stats = addr<float>(out_stats);
+  a.master_format = master_format;
+  a.state_dtype = state_dtype;
+  a.seed = addr<const int64_t>(seed);
   return a;
 }
 

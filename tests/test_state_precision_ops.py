@@ -1,0 +1,299 @@
+"""Compact optimizer state at the ops level, on every backend the CPU suite runs (reference, cpu, Triton under
+the interpreter), against the specification (ampfused/ops/state_precision.py, reference.py).
+
+* Master remainders: on each backend the masters equal, bit for bit, those of the fp32-master mode fed the same
+  gradients, step after step (clipping on); the weights are the masters rounded to nearest with ties away from
+  zero, so they differ from the fp32-master mode's weights only at exact ties.
+* Stochastic rounding (no master, bf16 moments): the generator is keyed by (seed, step, index), so backends
+  agree bit for bit wherever their fp32 math does (SGD without clipping: elementwise IEEE operations in one
+  order); Adam's per-step constants may differ by an ulp between backends, so there a stored bf16 value may
+  differ by one ulp, at a few elements.
+* A skipped step changes nothing (the generator's position is the step count, which does not advance); a run
+  resumed from copies of its tensors equals the uninterrupted one; the CPU backend's bits do not depend on its
+  thread count.
+"""
+import math
+
+import pytest
+import torch
+
+from ampfused import ops
+from ampfused.ops import reference, state_precision as sp
+from ampfused.ops.reference import memory_view, state_layout
+from backends import cpu_backends
+from oracle import assert_bitwise
+
+BF16, F32 = torch.bfloat16, torch.float32
+BACKENDS = cpu_backends()
+
+# (shape, layout, has a gradient, step count before the first step)
+PARAMS = [
+    ((1,), "contiguous", True, 3),
+    ((5,), "contiguous", True, 0),
+    ((127,), "contiguous", True, 41),
+    ((300,), "contiguous", False, 7),       # no gradient: left alone
+    ((3, 4, 5, 7), "channels_last", True, 1),
+    ((45, 23), "transposed", True, 0),
+]
+MODES = {  # master format, bf16 moments
+    "remainder": ("remainder", False),
+    "remainder-bf16-moments": ("remainder", True),
+    "fp32-master-bf16-moments": ("fp32", True),
+    "no-master": ("none", False),
+    "no-master-bf16-moments": ("none", True),
+}
+
+
+def _param(shape, layout, values):
+    if layout == "channels_last":
+        return values.reshape(shape).contiguous(memory_format=torch.channels_last)
+    if layout == "transposed":
+        return values.reshape(shape[::-1]).t()
+    return values.reshape(shape)
+
+
+class Problem:
+    """bf16 parameters and fp32 masters whose low 16 bits are random (so remainders are never trivial), in
+    one of the formats; the same masters for every format."""
+
+    def __init__(self, master_format: str, bf16_moments: bool, sgd: bool, gen_seed: int = 0):
+        g = torch.Generator().manual_seed(gen_seed)
+        numels = [math.prod(s) for s, _, _, _ in PARAMS]
+        self.offsets, total = state_layout(numels)
+        masters = torch.randn(total, generator=g)
+        self.params = [_param(s, lay, torch.zeros(n, dtype=BF16)) for (s, lay, _, _), n in zip(PARAMS, numels)]
+        if master_format == "remainder":
+            weight, self.master = sp.split_master(masters)
+        else:
+            weight, self.master = masters.to(BF16), (masters.clone() if master_format == "fp32" else None)
+        for p, o in zip(self.params, self.offsets):
+            memory_view(p).copy_(weight[o:o + p.numel()])
+        sdt = BF16 if bf16_moments else F32
+        self.states = [torch.randn(total, generator=g).abs().to(sdt) * 1e-3 for _ in range(1 if sgd else 2)]
+        self.steps = torch.tensor([float(s) for _, _, _, s in PARAMS])
+        self.seed = torch.tensor(-(2 ** 40) + 12345, dtype=torch.int64) if (bf16_moments or master_format == "none") \
+            else None
+        self.sgd = sgd
+
+    def tensors(self):
+        out = [memory_view(p) for p in self.params] + self.states + [self.steps]
+        return out + ([self.master] if self.master is not None else [])
+
+    def master_values(self):
+        """The fp32 masters of the parameters, concatenated (rebuilt from the remainders, or from the buffer)."""
+        if self.master is None:
+            return None
+        if self.master.dtype == F32:
+            return torch.cat([self.master[o:o + p.numel()] for p, o in zip(self.params, self.offsets)])
+        return torch.cat([sp.join_master(memory_view(p), self.master[o:o + p.numel()])
+                          for p, o in zip(self.params, self.offsets)])
+
+
+def _grads(problem, k, dtype=BF16):
+    g = torch.Generator().manual_seed(100 + k)
+    return [_param(s, lay, torch.randn(math.prod(s), generator=g).to(dtype)) if has else None
+            for (s, lay, has, _) in PARAMS]
+
+
+def _step(problem, grads, backend, max_norm=5.0, partials=None, lr=None):
+    inv_scale = torch.tensor(0.5)
+    if partials is None:
+        partials = ops.norm_check([g for g in grads if g is not None], inv_scale, backend=backend)
+    out = torch.zeros(2)
+    if problem.sgd:
+        ops.sgd_step_(problem.params, grads, problem.master, problem.states[0], problem.steps, partials, inv_scale,
+                      torch.tensor(lr or 1e-2), out, momentum=0.9, weight_decay=0.01, max_norm=max_norm,
+                      seed=problem.seed, backend=backend)
+    else:
+        ops.adamw_step_(problem.params, grads, problem.master, problem.states[0], problem.states[1], problem.steps,
+                        partials, inv_scale, torch.tensor(lr or 1e-3), out, weight_decay=0.01, max_norm=max_norm,
+                        seed=problem.seed, backend=backend)
+    return out
+
+
+def _run(mode, sgd, backend, n_steps, **kw):
+    p = Problem(*MODES[mode], sgd=sgd) if mode in MODES else Problem(mode, False, sgd=sgd)
+    for k in range(n_steps):
+        _step(p, _grads(p, k), backend, **kw)
+    return p
+
+
+# ---- the codecs (the specification itself) ----------------------------------------------------------------
+
+def _special_and_random_bits(n=1 << 16):
+    special = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7F7F8000, 0x7F7FFFFF, 0x7F7F7FFF, 0x00008000, 0x00018000,
+               0x80008000, 0x80018000, 0x00000001, 0x7FC00001, 0x7F800001, 0x7F808000, 0xFFFF0000, 0x3F808000,
+               0x3F818000, 0x3F807FFF]
+    u = torch.cat([torch.randint(0, 2 ** 32, (n,), dtype=torch.int64), torch.tensor(special, dtype=torch.int64)])
+    return u, torch.where(u >= 2 ** 31, u - 2 ** 32, u).to(torch.int32).view(F32)
+
+
+def test_remainder_code_is_exact_and_ties_away_from_zero():
+    u, x = _special_and_random_bits()
+    w, r = sp.split_master(x)
+    back = sp.join_master(w, r)
+    nan = torch.isnan(x)
+    assert_bitwise("join(split(master))", back[~nan], x[~nan])
+    assert torch.isnan(back[nan]).all() and torch.isnan(w[nan].float()).all()
+    # the weight is round-to-nearest-even except at exact ties with an even high half: one ulp away from zero
+    rne = x.to(BF16)
+    differ = (w.view(torch.int16) != rne.view(torch.int16)) & ~nan
+    even_tie = ((u & 0xFFFF) == 0x8000) & (((u >> 16) & 1) == 0) & ~nan
+    assert torch.equal(differ, even_tie)
+    step = (w[even_tie].view(torch.int16).to(torch.int64) & 0x7FFF) - (rne[even_tie].view(torch.int16).to(torch.int64)
+                                                                       & 0x7FFF)
+    assert (step == 1).all()
+    # a remainder of 0 is the weight's own value (what a weight written from outside re-derives)
+    assert_bitwise("join(w, 0)", sp.join_master(w[~nan], torch.zeros_like(r[~nan])), w[~nan].float())
+
+
+def test_stochastic_rounding_is_unbiased_and_keyed():
+    x = torch.full((1 << 16,), 1.0 + 2 ** -10)  # 1/8 of a bf16 ulp above 1
+    key = sp.stream_key(7, 3, sp.STREAM_STATE1)
+    r = sp.random_bits(key, torch.arange(x.numel()))
+    y = sp.round_stochastic(x, r).float()
+    assert set(y.unique().tolist()) == {1.0, 1.0078125}
+    assert abs(y.mean().item() - x[0].item()) < 4 * (2 ** -7) * math.sqrt(0.125 * 0.875 / x.numel())
+    # the keys of tensors and Python ints agree, and every component changes the draws
+    assert int(sp.stream_key(torch.tensor(7), torch.tensor(3), 1)) == key
+    assert len({sp.stream_key(7, 3, 1), sp.stream_key(8, 3, 1), sp.stream_key(7, 4, 1), sp.stream_key(7, 3, 2),
+                sp.stream_key(7 + 2 ** 32, 3, 1)}) == 5
+    # inf stays inf, NaN stays NaN, whatever the draw
+    special = torch.tensor([math.inf, -math.inf, math.nan, -0.0])
+    out = sp.round_stochastic(special, torch.full((4,), 0xFFFF, dtype=torch.int64)).float()
+    assert out[0] == math.inf and out[1] == -math.inf and math.isnan(out[2]) and out[3] == 0
+
+
+# ---- the step ops -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sgd", [False, True], ids=["adamw", "sgd"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_remainders_rebuild_the_fp32_masters_bit_for_bit(backend, sgd):
+    full = _run("fp32", sgd, backend, 3)
+    compact = _run("remainder", sgd, backend, 3)
+    assert_bitwise("masters", compact.master_values(), full.master_values())
+    for i, (pc, pf) in enumerate(zip(compact.params, full.params)):
+        o, n = compact.offsets[i], pc.numel()
+        weight, _ = sp.split_master(full.master[o:o + n])
+        assert_bitwise(f"params[{i}]", memory_view(pc), weight)
+        # against the fp32-master mode's weights: equal except at exact ties of the master
+        low = full.master[o:o + n].view(torch.int32).to(torch.int64) & 0xFFFF
+        differ = memory_view(pc).view(torch.int16) != memory_view(pf).view(torch.int16)
+        assert (low[differ] == 0x8000).all()
+    for a, b in zip(compact.states + [compact.steps], full.states + [full.steps]):
+        assert_bitwise("states", a, b)
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES])
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
+def test_sgd_compact_modes_match_the_reference_bit_for_bit(backend, mode):
+    # no clipping: the coefficient is inv_scale on every backend, and SGD's element math is IEEE operations in
+    # one order, so the stochastic rounding (same keys, same indices) must give the same bits too
+    ref = _run(mode, True, "reference", 3, max_norm=math.inf)
+    fast = _run(mode, True, backend, 3, max_norm=math.inf)
+    for a, b in zip(fast.tensors(), ref.tensors()):
+        assert_bitwise(mode, a, b)
+
+
+def _ulps_apart(a, b):
+    ia = a.view(torch.int16).to(torch.int64)
+    ib = b.view(torch.int16).to(torch.int64)
+    return (ia - ib).abs()
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES])
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
+def test_adam_compact_modes_match_the_reference(backend, mode):
+    # Adam's per-step constants (bias corrections) and the clip coefficient may differ by an ulp between
+    # backends (held to the oracle rule by the fp32-master tests): the fp32 values of a compact mode may differ
+    # as much as twice the fp32-master mode's do, and a value stored with stochastic rounding (same draw) by one
+    # bf16 ulp where the two fp32 values straddle a rounding boundary: at a few elements
+    ref, fast = _run(mode, False, "reference", 3), _run(mode, False, backend, 3)
+    ref32, fast32 = _run("fp32", False, "reference", 3), _run("fp32", False, backend, 3)
+    pairs = [("exp_avg", fast.states[0], ref.states[0], fast32.states[0], ref32.states[0]),
+             ("exp_avg_sq", fast.states[1], ref.states[1], fast32.states[1], ref32.states[1]),
+             ("masters", fast.master_values(), ref.master_values(), fast32.master_values(), ref32.master_values())]
+    pairs += [(f"params[{i}]", memory_view(a), memory_view(b), None, None)
+              for i, (a, b) in enumerate(zip(fast.params, ref.params))]
+    for name, a, b, a32, b32 in pairs:
+        if a is None:
+            continue
+        if a.dtype == BF16:
+            d = _ulps_apart(a, b)
+            assert d.max() <= 1 and int((d > 0).sum()) <= max(2, a.numel() // 200), name
+        else:
+            bound = 2 * (a32 - b32).abs().max() + 1e-12
+            assert (a - b).abs().max() <= bound, name
+    assert_bitwise("steps", fast.steps, ref.steps)
+
+
+@pytest.mark.parametrize("sgd", [False, True], ids=["adamw", "sgd"])
+@pytest.mark.parametrize("mode", [m for m in MODES])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_skipped_step_changes_nothing(backend, mode, sgd):
+    p = _run(mode, sgd, backend, 1)
+    before = [t.clone() for t in p.tensors()]
+    grads = _grads(p, 5)
+    flagged = torch.tensor([[1.0], [1.0]])  # a non-finite gradient was seen
+    out = _step(p, grads, backend, partials=flagged)
+    assert out[1].item() == 1.0
+    for a, b in zip(p.tensors(), before):
+        assert_bitwise(mode, a, b)
+    # and the next step draws what it would have drawn without the skip in between
+    _step(p, grads, backend)
+    q = _run(mode, sgd, backend, 1)
+    _step(q, grads, backend)
+    for a, b in zip(p.tensors(), q.tensors()):
+        assert_bitwise(mode, a, b)
+
+
+@pytest.mark.parametrize("mode", ["no-master-bf16-moments", "remainder-bf16-moments"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_resumed_run_equals_the_uninterrupted_one(backend, mode):
+    whole = _run(mode, False, backend, 4)
+    first = _run(mode, False, backend, 2)
+    resumed = Problem(*MODES[mode], sgd=False)
+    for dst, src in zip(resumed.tensors(), first.tensors()):  # what a checkpoint holds, in fresh tensors
+        dst.copy_(src)
+    resumed.seed = first.seed.clone()
+    for k in (2, 3):
+        _step(resumed, _grads(resumed, k), backend)
+    for a, b in zip(resumed.tensors(), whole.tensors()):
+        assert_bitwise(mode, a, b)
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the cpu backend is not built")
+@pytest.mark.parametrize("mode", ["no-master-bf16-moments", "remainder"])
+def test_cpu_bits_do_not_depend_on_the_thread_count(mode):
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(mode, False, "cpu", 2)
+        torch.set_num_threads(max(2, threads))
+        many = _run(mode, False, "cpu", 2)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one.tensors(), many.tensors()):
+        assert_bitwise(mode, a, b)
+
+
+def test_bad_compact_state_is_refused_before_anything_changes():
+    p = Problem("remainder", False, sgd=False)
+    grads = _grads(p, 0)
+    before = [t.clone() for t in p.tensors()]
+    half = [x.to(torch.float16) for x in p.params]
+    with pytest.raises(TypeError, match="master has dtype int16.*bfloat16 params"):
+        ops.adamw_step_(half, [g.to(torch.float16) if g is not None else None for g in grads], p.master, *p.states,
+                        p.steps, torch.zeros(2, 1), torch.tensor(1.0), torch.tensor(1e-3), torch.zeros(2))
+    q = Problem("fp32", True, sgd=False)
+    with pytest.raises(ValueError, match="exp_avg is bfloat16.*pass seed="):
+        ops.adamw_step_(q.params, grads, q.master, *q.states, q.steps, torch.zeros(2, 1), torch.tensor(1.0),
+                        torch.tensor(1e-3), torch.zeros(2))
+    with pytest.raises(TypeError, match="seed must be a 0-d int64 tensor"):
+        ops.adamw_step_(q.params, grads, q.master, *q.states, q.steps, torch.zeros(2, 1), torch.tensor(1.0),
+                        torch.tensor(1e-3), torch.zeros(2), seed=torch.tensor(1.0))
+    with pytest.raises(TypeError, match="one step stores all its moments in one precision"):
+        ops.adamw_step_(q.params, grads, q.master, q.states[0], q.states[1].float(), q.steps, torch.zeros(2, 1),
+                        torch.tensor(1.0), torch.tensor(1e-3), torch.zeros(2), seed=torch.tensor(1))
+    for a, b in zip(p.tensors(), before):
+        assert_bitwise("unchanged", a, b)
