@@ -8,7 +8,11 @@ Differences from torch, all in the user's favour:
 * Right after ``ampfused.GradScaler.unscale_`` the norm is already known: the unscale pass measured it. When
   the gradients are the same tensors, unchanged since (same ``_version``), it is reused instead of reading
   every gradient again.
-* Parameters of one fused ampfused optimizer get the clip folded into that optimizer's next step.
+* Parameters of one fused ampfused optimizer get the clip folded into that optimizer's next step, and their
+  ``.grad`` is left as it is (the step applies the clip). The clip means what it means where it is called: made
+  on gradients a scaler has not unscaled yet (torch's recipe clips them to ``max_norm * scale``), or on gradients
+  that change before the step, its coefficient is taken from the gradients as they were at the call and applied
+  by the step, on the device, as an eager clip at that point would have scaled them.
 * ``max_norm=inf`` never touches the gradients (torch multiplies them by NaN when the norm is infinite).
 
 Limitation: a change made through ``grad.data`` bypasses ``_version`` (as it does for autograd), so call

@@ -255,10 +255,15 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         pending = self._pending_clip
         if pending is not None:
             self._pending_clip = None
-        if getattr(self, "grad_scale", None) is not None and raw_clip is not None:
-            pending = None  # the clip was made on the scaled gradients: its coefficient joins the unscale one
-        else:
-            raw_clip = None  # the gradients are stepped as they were clipped: the clip folds into K2 (max_norm)
+        if raw_clip is not None:
+            cache = self._partials_cache
+            as_clipped = cache is not None and cache[2:] == ("as they are",) and self._same_grads(cache[0], batch)
+            if as_clipped and getattr(self, "grad_scale", None) is None:
+                raw_clip = None  # the step reads the gradients the clip measured: it folds into K2 (max_norm)
+            else:
+                # the step unscales them, or they changed since (e.g. unscaled in place by torch's GradScaler):
+                # the clip's coefficient, measured on the gradients as they were, joins the unscale coefficient
+                pending = None
         partials, inv_scale = self._partials_and_inv_scale(batch, grad_divisor, raw_clip)
         if self.track_nonfinite:
             self._count_nonfinite(batch)

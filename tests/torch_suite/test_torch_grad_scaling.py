@@ -382,3 +382,24 @@ def test_clip_without_a_scaler_still_folds_at_max_norm():
         assert all(torch.equal(g, p.grad) for g, p in zip(raw, scaling.parameters()))
     for c, s in zip(control.parameters(), scaling.parameters()):
         torch.testing.assert_close(s, c, **TOL)
+
+
+def test_clip_then_torch_scalers_own_unscale_then_step():
+    """torch.amp.GradScaler unscales in place with its own kernels (the fused optimizer is not told): a clip made
+    before that still acts on the gradients as they were when it was called."""
+    max_norm = 0.2
+    control, opt_c, scaling, opt_s = _models(ampfused.FusedAdamW)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    for x, y in _data(3):
+        opt_c.zero_grad()
+        _loss(control, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(control.parameters(), max_norm)
+        opt_c.step()
+        opt_s.zero_grad()
+        scaler.scale(_loss(scaling, x, y)).backward()
+        ampfused.clip_grad_norm_(scaling.parameters(), max_norm * scaler.get_scale())
+        scaler.unscale_(opt_s)
+        scaler.step(opt_s)
+        scaler.update()
+    for c, s in zip(control.parameters(), scaling.parameters()):
+        torch.testing.assert_close(s, c, **TOL)
