@@ -7,6 +7,7 @@ import os
 import re
 
 import pytest
+import torch
 
 import ampfused
 from ampfused import info
@@ -60,7 +61,7 @@ def _real(obj) -> list:
 def _same_default(written, real) -> bool:
     if written is NONE or real is NONE:
         return written is real
-    return eval(written, {"__builtins__": {}}) == real  # constants and arithmetic on them (2.**16)
+    return eval(written, {"__builtins__": {}, "torch": torch}) == real  # constants, arithmetic (2.**16), dtypes
 
 
 @pytest.mark.parametrize("start,obj", [
