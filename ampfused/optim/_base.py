@@ -432,7 +432,8 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
             # clip was made on the scaled gradients and must act on them (torch clips max_norm * scale there);
             # the step then multiplies its unscale coefficient by this clip's coefficient, on the device.
             coef = ops.clip_coef(norm, max_norm)
-            self._raw_clip = coef if self._raw_clip is None else self._raw_clip * coef
+            # a second clip of the same gradients: the smaller coefficient, as clipping twice in place gives
+            self._raw_clip = coef if self._raw_clip is None else torch.minimum(self._raw_clip, coef)
         self._pending_clip = max_norm if self._pending_clip is None else min(self._pending_clip, max_norm)
         return norm
 

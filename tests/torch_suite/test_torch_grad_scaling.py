@@ -403,3 +403,22 @@ def test_clip_then_torch_scalers_own_unscale_then_step():
         scaler.update()
     for c, s in zip(control.parameters(), scaling.parameters()):
         torch.testing.assert_close(s, c, **TOL)
+
+
+def test_two_clips_before_the_step_act_as_torchs_two_clips():
+    control, opt_c, scaling, opt_s = _models(ampfused.FusedSGD)
+    scaler = ampfused.GradScaler("cpu", init_scale=INIT_SCALE)
+    for x, y in _data(2):
+        opt_c.zero_grad()
+        _loss(control, x, y).backward()
+        for m in (0.5, 0.2):
+            torch.nn.utils.clip_grad_norm_(control.parameters(), m)
+        opt_c.step()
+        opt_s.zero_grad()
+        scaler.scale(_loss(scaling, x, y)).backward()
+        for m in (0.5, 0.2):
+            ampfused.clip_grad_norm_(scaling.parameters(), m * scaler.get_scale())
+        scaler.step(opt_s)
+        scaler.update()
+    for c, s in zip(control.parameters(), scaling.parameters()):
+        torch.testing.assert_close(s, c, **TOL)
