@@ -1,0 +1,247 @@
+"""torchtitan: the fused optimizers selected from a torchtitan ``Trainer.Config``, with the clip, the gradient
+norm its logging reports and the skip of non-finite steps owned by the fused step.
+
+Two configurable classes, each chosen the way torchtitan chooses its components (a ``Config`` whose ``build``
+constructs its owner):
+
+* :class:`FusedOptimizersContainer` (``optimizer=FusedOptimizersContainer.Config(param_groups=[...])``): an
+  ``OptimizersContainer`` whose ``"AdamW"`` and ``"Adam"`` param groups build :class:`ampfused.FusedAdamW` /
+  :class:`ampfused.FusedAdam`. Its state dict is torchtitan's flat, FQN-keyed one with torch's keys, so a
+  checkpoint saved by torchtitan's own ``AdamW`` container resumes here and the other way round.
+* :class:`FusedTrainer` (``FusedTrainer.Config(...)`` in place of ``Trainer.Config(...)``): hands
+  ``training.max_norm`` to the optimizers' ``max_grad_norm`` and turns torchtitan's own clip pass off; the norm
+  its metrics log is the fused step's ``last_grad_norm`` (a device tensor, read only when torchtitan logs), and
+  every log line carries ``optimizer/skipped_steps`` and ``optimizer/last_step_skipped``.
+
+torchtitan 0.3.0 clips in ``Trainer.train_step`` through ``dist_utils.clip_grad_norm_`` with no setting that
+turns the pass off (``max_norm=inf`` still reads the gradients for the norm and scales them by one), so during
+its own ``train_step`` a ``FusedTrainer`` gives torchtitan's trainer module a ``dist_utils`` whose
+``clip_grad_norm_`` returns the fused optimizer's norm instead; everything else in that namespace is
+torchtitan's.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.trainer import Trainer
+
+from ..optim import FusedAdam, FusedAdamW
+from ..optim import _params as P
+
+TESTED_VERSION = "0.3.0"
+
+_FACTORIES = {"AdamW": FusedAdamW, "Adam": FusedAdam}
+
+# what torch.optim.Adam/AdamW keep in each param group and the fused optimizers do not: written into saved
+# state dicts (so torchtitan's own container can load them) and never into the fused optimizers' groups
+_TORCH_ONLY_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
+# what the fused optimizers keep in each group and torch's do not: a setting of this run, never a checkpoint's
+_FUSED_ONLY_KEYS = ("max_grad_norm",)
+
+
+def _compact_state_option() -> Optional[str]:
+    """The name of the fused optimizers' compact-state argument, where this ampfused has one."""
+    import inspect
+    params = inspect.signature(FusedAdamW.__init__).parameters
+    return next((n for n in ("state_precision", "state_dtype") if n in params), None)
+
+
+class FusedOptimizersContainer(OptimizersContainer):
+    """torchtitan's ``OptimizersContainer`` over ampfused's fused optimizers.
+
+    Param groups are chosen by regex as in torchtitan (``ParamGroupConfig``); ``optimizer_name`` ``"AdamW"``
+    or ``"Adam"`` builds :class:`ampfused.FusedAdamW` / :class:`ampfused.FusedAdam` with the group's
+    ``optimizer_kwargs``. ``implementation`` ``"fused"``, ``"foreach"`` and ``"for-loop"`` all run the fused
+    step (they only decide the ``fused``/``foreach`` values written into checkpoints, for torchtitan's own
+    container to read back); ``"fused_opt_states_bf16"`` needs the fused optimizers' compact state.
+
+    ``max_grad_norm`` clips every parameter's gradient to that total norm inside the step (set from
+    ``training.max_norm`` by :class:`FusedTrainer`); the clip needs one fused optimizer per rank, so it refuses
+    pipeline stages (several model parts) and a mix of ``"Adam"`` and ``"AdamW"`` groups.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        max_grad_norm: Optional[float] = None
+        """Clip the gradients to this total L2 norm inside the fused step (None: no clip). Set from
+        ``training.max_norm`` by ``FusedTrainer.Config``."""
+
+        backend: Optional[str] = None
+        """Force one ampfused backend (``"cuda"``, ``"triton"``, ``"cpu"``, ``"reference"``); None picks."""
+
+    def __init__(self, config: Config, *, model_parts: List[torch.nn.Module]) -> None:
+        P.check_max_grad_norm(config.max_grad_norm, " in FusedOptimizersContainer.Config")
+        for pg in config.param_groups:
+            if pg.optimizer_name not in _FACTORIES:
+                raise ValueError(f"FusedOptimizersContainer: param group {pg.pattern!r} asks for optimizer_name "
+                                 f"{pg.optimizer_name!r}; the fused optimizers are {sorted(_FACTORIES)} (use "
+                                 "torchtitan's OptimizersContainer for other optimizers)")
+        fused_kwargs: Dict[str, Any] = {"max_grad_norm": config.max_grad_norm, "backend": config.backend}
+        if config.implementation == "fused_opt_states_bf16":
+            option = _compact_state_option()
+            if option is None:
+                raise ValueError("FusedOptimizersContainer: implementation='fused_opt_states_bf16' asks for "
+                                 "bfloat16 optimizer states, which this ampfused's fused optimizers do not keep; "
+                                 "set optimizer.implementation to 'fused'")
+            fused_kwargs[option] = "bf16"
+        self._fused_kwargs = fused_kwargs
+        self._implementation = config.implementation
+        super().__init__(config, model_parts=model_parts)
+        if config.max_grad_norm is not None and len(self.optimizers) > 1:
+            raise ValueError(f"FusedOptimizersContainer: max_grad_norm clips by the norm of every gradient, which "
+                             f"one fused optimizer per rank measures; this configuration builds "
+                             f"{len(self.optimizers)} ({len(model_parts)} model part(s), optimizer names "
+                             f"{sorted({pg.optimizer_name for pg in config.param_groups})})")
+
+    # torchtitan calls these two through the instance
+    def _resolve_optimizer_factory(self, name: str):
+        return functools.partial(_FACTORIES[name], **self._fused_kwargs)
+
+    @staticmethod
+    def _build_impl_kwargs(config) -> Dict[str, Any]:
+        return {}  # the step is always fused; the torch keys go into checkpoints only (state_dict below)
+
+    def _register_bf16_optimizer_state_hook(self) -> None:
+        pass  # torchtitan's hook pre-fills torch Adam state; the fused optimizers were built compact instead
+
+    # --- the fused step's results, as device tensors ------------------------------------------------------
+    @property
+    def last_grad_norm(self) -> torch.Tensor:
+        """0-d fp32 device tensor: total norm of the last step's gradients, before clipping (a view that each
+        step rewrites in place, so it may be taken before the step and read after it)."""
+        return self.optimizers[0].last_grad_norm
+
+    def skip_metrics(self) -> Dict[str, torch.Tensor]:
+        """``optimizer/skipped_steps`` (steps skipped for non-finite gradients since this container was built
+        or loaded) and ``optimizer/last_step_skipped``, as device tensors (no host read)."""
+        skipped = sum(o.stats()["skipped_overflow"] for o in self.optimizers)
+        last = torch.stack([o.last_step_skipped for o in self.optimizers]).any()
+        return {"optimizer/skipped_steps": skipped, "optimizer/last_step_skipped": last}
+
+    # --- checkpoints: torch's keys, this run's clip -------------------------------------------------------
+    def _torch_keys(self, optim) -> Dict[str, Any]:
+        impl = self._implementation
+        return {"foreach": impl == "foreach", "fused": impl in ("fused", "fused_opt_states_bf16"),
+                "capturable": False, "differentiable": False,
+                "decoupled_weight_decay": isinstance(optim, FusedAdamW)}
+
+    def state_dict(self) -> Dict[str, Any]:
+        flat = super().state_dict()
+        for optim in self.optimizers:
+            torch_keys = self._torch_keys(optim)
+            for group in optim.param_groups:
+                for fqn in group["param_names"]:
+                    for key in _FUSED_ONLY_KEYS:
+                        flat.pop(f"param_groups.{fqn}.{key}", None)
+                    for key in _TORCH_ONLY_KEYS:
+                        flat.setdefault(f"param_groups.{fqn}.{key}", torch_keys[key])
+        return flat
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """torchtitan's load; group settings the checkpoint lacks (it was saved by torch's optimizers, or they
+        are this run's settings: ``max_grad_norm``) keep their current values."""
+        state_dict = dict(state_dict)
+        for optim in self.optimizers:
+            for group in optim.param_groups:
+                for fqn in group["param_names"]:
+                    for key in _FUSED_ONLY_KEYS:
+                        state_dict[f"param_groups.{fqn}.{key}"] = group[key]
+                    for key, value in group.items():
+                        if key not in ("params", "param_names"):
+                            state_dict.setdefault(f"param_groups.{fqn}.{key}", value)
+        super().load_state_dict(state_dict)
+
+
+class _FoldedClipUtils:
+    """torchtitan's ``dist_utils`` namespace with ``clip_grad_norm_`` answered by the fused optimizers: the
+    trainer's call returns their ``last_grad_norm`` (filled by the step that follows) and clips nothing."""
+
+    def __init__(self, real, trainer: "FusedTrainer"):
+        self._real = real
+        self._trainer = trainer
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None,
+                        pp_mesh=None, ep_enabled=False):
+        optimizers = self._trainer.optimizers
+        configured = optimizers.optimizers[0].param_groups[0]["max_grad_norm"]
+        if float(norm_type) != 2.0 or error_if_nonfinite or pp_mesh is not None or ep_enabled:
+            raise RuntimeError(f"FusedTrainer: the fused step clips by the L2 norm of one optimizer's gradients; "
+                               f"torchtitan asked for norm_type={norm_type}, error_if_nonfinite="
+                               f"{error_if_nonfinite}, pipeline stages={pp_mesh is not None}, "
+                               f"expert parallel={ep_enabled}")
+        if (configured is None) != (max_norm is None or math.isinf(float(max_norm))) or (
+                configured is not None and float(configured) != float(max_norm)):
+            raise RuntimeError(f"FusedTrainer: training.max_norm is {max_norm} but the fused optimizers clip to "
+                               f"max_grad_norm={configured}; set one value (FusedTrainer.Config hands "
+                               "training.max_norm over)")
+        return optimizers.last_grad_norm
+
+
+def _train_step_module(cls) -> Any:
+    """The module whose ``dist_utils`` the inherited ``train_step`` reads (torchtitan's trainer, or the module
+    of a torchtitan trainer subclass that defines its own)."""
+    mro = cls.__mro__
+    for klass in mro[mro.index(FusedTrainer) + 1:]:
+        if "train_step" in vars(klass):
+            return sys.modules[klass.__module__]
+    return sys.modules[Trainer.__module__]
+
+
+class FusedTrainer(Trainer):
+    """torchtitan's ``Trainer`` with the clip, the reported norm and the skip owned by the fused optimizers.
+
+    Select it with ``FusedTrainer.Config(..., optimizer=FusedOptimizersContainer.Config(...))`` where a recipe
+    returns ``Trainer.Config(...)``; ``training.max_norm`` becomes the optimizers' ``max_grad_norm``.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        def __post_init__(self):
+            Trainer.Config.__post_init__(self)
+            if not isinstance(self.optimizer, FusedOptimizersContainer.Config):
+                raise TypeError("FusedTrainer.Config: optimizer must be a FusedOptimizersContainer.Config, got "
+                                f"{type(self.optimizer).__qualname__}")
+            max_norm = self.training.max_norm
+            max_norm = None if max_norm is None or math.isinf(float(max_norm)) else float(max_norm)
+            given = self.optimizer.max_grad_norm
+            if given is not None and given != max_norm:
+                raise ValueError(f"FusedTrainer.Config: optimizer.max_grad_norm={given} and training.max_norm="
+                                 f"{self.training.max_norm} disagree; set training.max_norm only")
+            self.optimizer.max_grad_norm = max_norm
+            if self.parallelism.pipeline_parallel_degree > 1:
+                raise ValueError("FusedTrainer.Config: pipeline_parallel_degree > 1 is not supported (the fused "
+                                 "clip measures one optimizer's gradients; each stage would clip alone)")
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        if self.parallel_dims.ep_enabled:
+            raise ValueError("FusedTrainer: expert parallelism is not supported (torchtitan clips expert and "
+                             "dense gradients over different meshes)")
+        metrics = self.metrics_processor
+        log = metrics.log
+
+        @functools.wraps(log)
+        def log_with_skips(*args, extra_metrics=None, **kwargs):
+            extra = dict(extra_metrics or {})
+            extra.update({k: float(v) for k, v in self.optimizers.skip_metrics().items()})
+            return log(*args, extra_metrics=extra, **kwargs)
+
+        metrics.log = log_with_skips  # read at logging only, where torchtitan reads the loss and norm too
+
+    def train_step(self, data_iterator):
+        module = _train_step_module(type(self))
+        real = module.dist_utils
+        module.dist_utils = _FoldedClipUtils(real, self)
+        try:
+            return super().train_step(data_iterator)
+        finally:
+            module.dist_utils = real
