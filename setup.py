@@ -341,5 +341,8 @@ setup(
                              "pybind11>=2.10"],
                     "bench": ["matplotlib", "tqdm"],
                     "integrations": ["accelerate==1.15.0", "transformers==5.23.0", "lightning==2.6.6",
-                                     "safetensors==0.8.0"]},
+                                     "safetensors==0.8.0",
+                                     # needs torch >= 2.11 (through torch_checkpointing); brings its own pins
+                                     # (spmd_types, datasets < 4.8, which holds huggingface_hub < 2)
+                                     "torchtitan==0.3.0"]},
 )
