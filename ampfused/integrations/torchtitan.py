@@ -90,14 +90,15 @@ class FusedOptimizersContainer(OptimizersContainer):
                                  "bfloat16 optimizer states, which this ampfused's fused optimizers do not keep; "
                                  "set optimizer.implementation to 'fused'")
             fused_kwargs[option] = "bf16"
+        names = sorted({pg.optimizer_name for pg in config.param_groups})
+        if config.max_grad_norm is not None and len(model_parts) * len(names) > 1:
+            raise ValueError(f"FusedOptimizersContainer: max_grad_norm clips by the norm of every gradient, which "
+                             f"one fused optimizer per rank measures; this configuration builds "
+                             f"{len(model_parts) * len(names)} ({len(model_parts)} model part(s), optimizer names "
+                             f"{names})")
         self._fused_kwargs = fused_kwargs
         self._implementation = config.implementation
         super().__init__(config, model_parts=model_parts)
-        if config.max_grad_norm is not None and len(self.optimizers) > 1:
-            raise ValueError(f"FusedOptimizersContainer: max_grad_norm clips by the norm of every gradient, which "
-                             f"one fused optimizer per rank measures; this configuration builds "
-                             f"{len(self.optimizers)} ({len(model_parts)} model part(s), optimizer names "
-                             f"{sorted({pg.optimizer_name for pg in config.param_groups})})")
 
     # torchtitan calls these two through the instance
     def _resolve_optimizer_factory(self, name: str):

@@ -1,0 +1,122 @@
+"""ampfused.integrations.torchtitan's configuration: what it builds, what it refuses (before anything is built),
+and its checkpoint keys against torchtitan's own container, on one process."""
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig  # noqa: E402
+from torchtitan.config import ParallelismConfig, TrainingConfig  # noqa: E402
+
+from ampfused import FusedAdam, FusedAdamW  # noqa: E402
+from ampfused.integrations import torchtitan as tt  # noqa: E402
+from ampfused.integrations.torchtitan import FusedOptimizersContainer, FusedTrainer  # noqa: E402
+
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+
+
+def _groups(*names):
+    pats = [r"^0\.", r".*"] if len(names) == 2 else [r".*"]
+    return [ParamGroupConfig(pattern=p, optimizer_name=n, optimizer_kwargs=dict(HYPER)) for p, n in zip(pats, names)]
+
+
+def _backward(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    model(torch.randn(4, 6, generator=g)).square().sum().backward()
+
+
+def test_builds_fused_optimizers_per_name_with_the_clip():
+    c = FusedOptimizersContainer.Config(param_groups=_groups("AdamW"), max_grad_norm=0.25).build(
+        model_parts=[_model()])
+    (opt,) = c.optimizers
+    assert type(opt) is FusedAdamW and opt.param_groups[0]["max_grad_norm"] == 0.25
+    assert opt.param_groups[0]["param_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    two = FusedOptimizersContainer.Config(param_groups=_groups("Adam", "AdamW")).build(model_parts=[_model()])
+    assert [type(o) for o in two.optimizers] == [FusedAdam, FusedAdamW]
+
+
+def test_step_matches_torchtitans_adamw_with_its_clip():
+    """One container step (fused clip inside) against torchtitan's container after torch's clip_grad_norm_."""
+    fm, tm = _model(), _model()
+    fused = FusedOptimizersContainer.Config(param_groups=_groups("AdamW"), max_grad_norm=0.1,
+                                            backend="reference").build(model_parts=[fm])
+    ref = OptimizersContainer.Config(param_groups=_groups("AdamW"), implementation="for-loop").build(
+        model_parts=[tm])
+    for seed in (1, 2):
+        _backward(fm, seed)
+        _backward(tm, seed)
+        norm = fused.last_grad_norm  # taken before the step, read after it
+        ref_norm = torch.nn.utils.clip_grad_norm_(tm.parameters(), 0.1)
+        fused.step()
+        ref.step()
+        assert ref_norm > 0.1  # the clip was active
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+        for p, q in zip(fm.parameters(), tm.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+        fused.zero_grad()
+        ref.zero_grad()
+    assert {k: float(v) for k, v in fused.skip_metrics().items()} == {
+        "optimizer/skipped_steps": 0.0, "optimizer/last_step_skipped": 0.0}
+
+
+def test_state_dict_has_torchs_keys_and_loads_both_ways():
+    fm, tm = _model(), _model()
+    fused = FusedOptimizersContainer.Config(param_groups=_groups("AdamW"), max_grad_norm=1.0).build(
+        model_parts=[fm])
+    ref = OptimizersContainer.Config(param_groups=_groups("AdamW"), implementation="foreach").build(
+        model_parts=[tm])
+    _backward(tm)
+    ref.step()
+    fsd, tsd = fused.state_dict(), ref.state_dict()
+    assert fsd.keys() == tsd.keys()
+    fused.load_state_dict(tsd)
+    assert fused.optimizers[0].param_groups[0]["max_grad_norm"] == 1.0  # this run's clip, not the checkpoint's
+    for k, v in fused.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            torch.testing.assert_close(v, tsd[k], rtol=0, atol=0, msg=k)
+    ref2 = OptimizersContainer.Config(param_groups=_groups("AdamW"), implementation="foreach").build(
+        model_parts=[_model()])
+    ref2.load_state_dict(fused.state_dict())
+    assert ref2.optimizers[0].param_groups[0]["foreach"] is True
+
+
+def test_refusals_name_the_setting():
+    with pytest.raises(ValueError, match="optimizer_name 'DistMuon'"):
+        FusedOptimizersContainer.Config(param_groups=_groups("DistMuon")).build(model_parts=[_model()])
+    with pytest.raises(ValueError, match="max_grad_norm clips by the norm of every gradient.*builds 2"):
+        FusedOptimizersContainer.Config(param_groups=_groups("Adam", "AdamW"), max_grad_norm=1.0).build(
+            model_parts=[_model()])
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        FusedOptimizersContainer.Config(param_groups=_groups("AdamW"), max_grad_norm=-1.0).build(
+            model_parts=[_model()])
+
+
+@pytest.mark.skipif(tt._compact_state_option() is not None, reason="this ampfused keeps compact state")
+def test_bf16_states_refused_without_compact_state():
+    with pytest.raises(ValueError, match="implementation='fused_opt_states_bf16'"):
+        FusedOptimizersContainer.Config(param_groups=_groups("AdamW"), implementation="fused_opt_states_bf16").build(
+            model_parts=[_model()])
+
+
+def test_trainer_config_hands_max_norm_to_the_optimizer():
+    cfg = FusedTrainer.Config(optimizer=FusedOptimizersContainer.Config(param_groups=_groups("AdamW")),
+                              training=TrainingConfig(max_norm=0.5))
+    assert cfg.optimizer.max_grad_norm == 0.5
+    cfg = FusedTrainer.Config(optimizer=FusedOptimizersContainer.Config(param_groups=_groups("AdamW")),
+                              training=TrainingConfig(max_norm=float("inf")))
+    assert cfg.optimizer.max_grad_norm is None
+    with pytest.raises(TypeError, match="optimizer must be a FusedOptimizersContainer.Config"):
+        FusedTrainer.Config(optimizer=OptimizersContainer.Config(param_groups=_groups("AdamW")))
+    with pytest.raises(ValueError, match="optimizer.max_grad_norm=2.0 and training.max_norm=0.5 disagree"):
+        FusedTrainer.Config(optimizer=FusedOptimizersContainer.Config(param_groups=_groups("AdamW"),
+                                                                      max_grad_norm=2.0),
+                            training=TrainingConfig(max_norm=0.5))
+    with pytest.raises(ValueError, match="pipeline_parallel_degree"):
+        FusedTrainer.Config(optimizer=FusedOptimizersContainer.Config(param_groups=_groups("AdamW")),
+                            parallelism=ParallelismConfig(pipeline_parallel_degree=2),
+                            training=TrainingConfig(disable_cuda_graphs=True))
