@@ -382,8 +382,11 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``: gradients set to ``None`` (the default) or zeroed in place.
-        Either way the next step reads whatever gradients backward produces, where it puts them."""
+        Either way the next step reads whatever gradients backward produces, where it puts them; a clip folded
+        into the next step belonged to the gradients zeroed here, and is dropped with them."""
         self._partials_cache = None
+        self._pending_clip = None
+        self._raw_clip = None
         super().zero_grad(set_to_none)
 
     # --- hooks used by ampfused.GradScaler and ampfused.clip_grad_norm_ ------------------------------------

@@ -422,3 +422,19 @@ def test_two_clips_before_the_step_act_as_torchs_two_clips():
         scaler.update()
     for c, s in zip(control.parameters(), scaling.parameters()):
         torch.testing.assert_close(s, c, **TOL)
+
+
+def test_zero_grad_drops_a_clip_that_was_never_stepped():
+    """A clip belongs to the gradients it measured: zero_grad discards both, as an eager clip's effect goes
+    with the gradients it scaled."""
+    control, opt_c, scaling, opt_s = _models(ampfused.FusedSGD)
+    (x, y), (x2, y2) = _data(2)
+    _loss(scaling, x, y).backward()
+    ampfused.clip_grad_norm_(scaling.parameters(), 1e-3)
+    opt_s.zero_grad()
+    for model, opt in ((control, opt_c), (scaling, opt_s)):
+        opt.zero_grad()
+        _loss(model, x2, y2).backward()
+        opt.step()
+    for c, s in zip(control.parameters(), scaling.parameters()):
+        torch.testing.assert_close(s, c, **TOL)
