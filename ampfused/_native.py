@@ -193,6 +193,19 @@ def check_step(backend: str, params, grads, master: Optional[Tensor], states, st
     return 0, 0, 0
 
 
+def compact_args(param_dtype, master: Optional[Tensor], state: Optional[Tensor], seed: Optional[Tensor]) -> tuple:
+    """The kernels' compact-state arguments for buffers a fused optimizer built itself (no checks): ``state`` any
+    moment buffer of the step (or None)."""
+    if master is not None and master.dtype == torch.int16:
+        fmt = 1
+    elif master is None and seed is not None and param_dtype == torch.bfloat16:
+        fmt = 2
+    else:
+        fmt = 0
+    bf16 = state is not None and state.dtype == torch.bfloat16
+    return fmt, DTYPE_CODES[torch.bfloat16 if bf16 else torch.float32], ptr(seed)
+
+
 def _check_compact(backend: str, fmt, master, states, seed, dev) -> None:
     """check_step's rules for compact state (the tensors' dtypes were matched by state_precision.step_format)."""
     from .ops import state_precision as sp

@@ -55,14 +55,14 @@ _MUTATED = {"norm_check": (), "unscale_": (0,), "update_scale_": (0, 1, 6, 7), "
             "sgd_step_": (0, 2, 3, 4, 8)}  # adam: params, master, exp_avg, exp_avg_sq, steps, out_stats
 
 
-def _call(op: str, probe: Tensor, *args):
+def _call(op: str, probe: Tensor, *args, **kw):
     """Run ``op`` with the backend named last in ``args``. Eager calls on plain tensors go straight to the
     backend (what the custom op would run, without its dispatch cost, which dominates launch-bound steps) and
     bump the version counters of what it wrote, as the custom op would (caches such as the clip's rely on
     them); traced code, tensor subclasses and dispatch modes (fake tensors, meta) go through the custom op."""
     if (type(probe) is Tensor and not torch.compiler.is_compiling()
             and _python_dispatch._get_current_dispatch_mode() is None):
-        out = getattr(get_backend(args[-1]), op)(*args[:-1])
+        out = getattr(get_backend(args[-1]), op)(*args[:-1], **kw)
         written = []
         for i in _MUTATED[op]:
             a = args[i]
@@ -75,7 +75,7 @@ def _call(op: str, probe: Tensor, *args):
         if written:
             torch.autograd.graph.increment_version(written)
         return out
-    return getattr(library, op)(*args)
+    return getattr(library, op)(*args, **kw)
 
 
 def num_partials(numels: List[int], device="cpu", backend: Optional[str] = None) -> int:
@@ -167,7 +167,7 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
     name = _pick(steps.device, _step_dtypes(params, grads, master), backend)
     _call("adam_step_", steps, params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
           out_stats, float(beta1), float(beta2), float(eps), float(weight_decay), float(max_norm),
-          bool(decoupled), bool(maximize), seed, name)
+          bool(decoupled), bool(maximize), name, **({"seed": seed} if seed is not None else {}))
 
 
 def adamw_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats, *,
@@ -195,7 +195,7 @@ def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optio
     name = _pick(steps.device, _step_dtypes(params, grads, master), backend)
     _call("sgd_step_", steps, params, grads, master, momentum_buf if momentum != 0 else None, steps, partials,
           inv_scale, lr, out_stats, float(momentum), float(dampening), float(weight_decay), bool(nesterov),
-          float(max_norm), bool(maximize), seed, name)
+          float(max_norm), bool(maximize), name, **({"seed": seed} if seed is not None else {}))
 
 
 def call_update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
@@ -218,11 +218,9 @@ def step_backend(device, dtypes: tuple, backend: Optional[str] = None) -> str:
     return _pick(torch.device(device), dtypes, backend)
 
 
-def call_step_(op: str, *args) -> None:
+def call_step_(op: str, *args, seed: Optional[Tensor] = None) -> None:
     """Run a step op (``"adam_step_"`` / ``"sgd_step_"``) with arguments already in the op's form and already
-    validated, the backend name last (the ``seed`` before it may be left out: no compact state): the fused
+    validated, the backend name last (``seed``: the stochastic rounding's, for compact state): the fused
     optimizers validate what changed on the host and call this each step, so a step does not re-check every
     tensor."""
-    if len(args) == (18 if op == "adam_step_" else 16):
-        args = args[:-1] + (None, args[-1])
-    _call(op, args[5] if op == "adam_step_" else args[4], *args)
+    _call(op, args[5] if op == "adam_step_" else args[4], *args, **({"seed": seed} if seed is not None else {}))

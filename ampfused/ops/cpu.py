@@ -179,17 +179,18 @@ class CpuBackend(Backend):
         return head, tail
 
     def adam_step_table(self, table: tuple, dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
-                        out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize) -> None:
+                        out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize, seed=None) -> None:
         head, tail = self._table_head(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
         self._mod().adam_step(*head, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), *tail, beta1, beta2, eps,
-                              weight_decay, max_norm, decoupled, maximize, torch.get_num_threads())
+                              weight_decay, max_norm, decoupled, maximize, torch.get_num_threads(),
+                              *_N.compact_args(dtype, master, exp_avg, seed))
 
     def sgd_step_table(self, table: tuple, dtype, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
-                       momentum, dampening, weight_decay, nesterov, max_norm, maximize) -> None:
+                       momentum, dampening, weight_decay, nesterov, max_norm, maximize, seed=None) -> None:
         head, tail = self._table_head(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
         buf = momentum_buf if momentum != 0 else None
         self._mod().sgd_step(*head, _N.ptr(buf), *tail, momentum, dampening, weight_decay, nesterov, max_norm,
-                             maximize, torch.get_num_threads())
+                             maximize, torch.get_num_threads(), *_N.compact_args(dtype, master, buf, seed))
 
 
 BACKEND = CpuBackend()

@@ -293,15 +293,17 @@ class CudaBackend(CpuBackend):
         return head, tail, launch, part
 
     def adam_step_table(self, table: tuple, dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
-                        out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize) -> None:
+                        out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize, seed=None) -> None:
         head, tail, launch, _part = self._table_step(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
+        launch[-3:] = _N.compact_args(dtype, master, exp_avg, seed)
         self._mod().adam_step(*head, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), *tail, beta1, beta2, eps, weight_decay,
                               max_norm, decoupled, maximize, *launch)
 
     def sgd_step_table(self, table: tuple, dtype, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
-                       momentum, dampening, weight_decay, nesterov, max_norm, maximize) -> None:
+                       momentum, dampening, weight_decay, nesterov, max_norm, maximize, seed=None) -> None:
         head, tail, launch, _part = self._table_step(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
         buf = momentum_buf if momentum != 0 else None
+        launch[-3:] = _N.compact_args(dtype, master, buf, seed)
         self._mod().sgd_step(*head, _N.ptr(buf), *tail, momentum, dampening, weight_decay, nesterov, max_norm,
                              maximize, *launch)
 

@@ -52,7 +52,7 @@ def _(*args):
 def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,
                exp_avg_sq: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
                beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float, decoupled: bool,
-               maximize: bool, seed: Optional[Tensor], backend: str) -> None:
+               maximize: bool, backend: str, seed: Optional[Tensor] = None) -> None:
     get_backend(backend).adam_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
                                     out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize,
                                     seed=seed)
@@ -68,7 +68,7 @@ def _(*args):
 def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
               momentum_buf: Optional[Tensor], steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
               out_stats: Tensor, momentum: float, dampening: float, weight_decay: float, nesterov: bool,
-              max_norm: float, maximize: bool, seed: Optional[Tensor], backend: str) -> None:
+              max_norm: float, maximize: bool, backend: str, seed: Optional[Tensor] = None) -> None:
     get_backend(backend).sgd_step_(params, grads, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
                                    momentum, dampening, weight_decay, nesterov, max_norm, maximize, seed=seed)
 

@@ -141,10 +141,12 @@ def step_format(params: Sequence[Tensor], master: Optional[Tensor], states, seed
         fmt = MASTER_NONE
     else:
         fmt = MASTER_FP32
-    compact_states = [n for n, s in states if s is not None and s.dtype == torch.bfloat16]
-    if compact_states and len(compact_states) != len([s for _, s in states if s is not None]):
-        raise TypeError(f"{', '.join(compact_states)} bfloat16 but not every state buffer: one step stores all "
-                        "its moments in one precision")
+    given = [(n, s) for n, s in states if s is not None]
+    compact_states = [n for n, s in given if s.dtype == torch.bfloat16]
+    if compact_states and len(compact_states) != len(given):
+        (n0, s0), (n1, s1) = given[0], next((n, s) for n, s in given if s.dtype != given[0][1].dtype)
+        raise TypeError(f"{n1} must have dtype {s0.dtype} like {n0} (one step stores all its moments in one "
+                        f"precision), got {s1.dtype}")
     state_dtype = torch.bfloat16 if compact_states else None
     if compact_states and master is not None and master.dtype == torch.float64:
         raise TypeError("bfloat16 moments are computed in fp32: master must not be float64")

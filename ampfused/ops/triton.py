@@ -235,19 +235,19 @@ class TritonBackend(Backend):
             "the parameters and gradients of a step")
 
     def adam_step_table(self, table: tuple, dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
-                        out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize) -> None:
+                        out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize, seed=None) -> None:
         k = _kernels("adam")
         k.adam_step_(self._table_plan(table, steps, k.CHUNK), table[1], dtype, dtype, master, exp_avg, exp_avg_sq,
                      steps, partials, inv_scale, lr, out_stats, self._counter(steps.device), beta1, beta2, eps,
-                     weight_decay, max_norm, decoupled, maximize)
+                     weight_decay, max_norm, decoupled, maximize, seed)
 
     def sgd_step_table(self, table: tuple, dtype, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
-                       momentum, dampening, weight_decay, nesterov, max_norm, maximize) -> None:
+                       momentum, dampening, weight_decay, nesterov, max_norm, maximize, seed=None) -> None:
         k = _kernels("sgd")
         buf = momentum_buf if momentum != 0 else None
         k.sgd_step_(self._table_plan(table, steps, k.CHUNK), table[1], dtype, dtype, master, buf, steps, partials,
                     inv_scale, lr, out_stats, self._counter(steps.device), momentum, dampening, weight_decay,
-                    nesterov, max_norm, maximize)
+                    nesterov, max_norm, maximize, seed)
 
     def sgd_step_(self, params, grads, master, momentum_buf, steps, partials, inv_scale, lr, out_stats, momentum,
                   dampening, weight_decay, nesterov, max_norm, maximize=False, seed=None) -> None:

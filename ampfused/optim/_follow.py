@@ -28,6 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _params as P
 from ._gradients import _shard_groups
+from ._precision import master_key
 from ._segment import LOW_PRECISION, Segment, addresses, build_segment, layout_of, versions
 from ._state import ParamState
 
@@ -200,7 +201,8 @@ class FollowParameters:
                     placed.add(id(p))
                     by_dtype.setdefault(p.dtype, []).append(p)
             for dtype, ps in by_dtype.items():
-                segments.append(build_segment(gi, ps, self._use_master(dtype), self.state_names, previous))
+                segments.append(build_segment(gi, ps, self._use_master(dtype), self.state_names, previous,
+                                              getattr(self, "_precision", None)))
         owner = weakref.ref(self)
         for gi in groups_to_pack:
             self._packed_groups[gi] = list(self.param_groups[gi]["params"])
@@ -232,13 +234,14 @@ class FollowParameters:
         p = seg.params[i]
         values = {name: seg.state_view(flat, i) for name, flat in seg.states.items()}
         if seg.master is not None:
-            values["master_param"] = seg.state_view(seg.master, i)
+            values[master_key(seg)] = seg.state_view(seg.master, i)
         values["step"] = seg.steps[i]
         st = dict.get(self.state, p)
         if not isinstance(st, ParamState):
             st = ParamState()
             dict.__setitem__(self.state, p, st)
-        for stale in [k for k in st if k not in values and k in ("master_param",) + self.state_names]:
+        masters = ("master_param", "master_remainder")
+        for stale in [k for k in st if k not in values and k in masters + self.state_names]:
             dict.__delitem__(st, stale)
         st._bind(values)
 

@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 
 from ..ops import state_layout
+from ..ops import state_precision as sp
+from ._precision import Precision
 
 try:
     from torch.distributed.tensor import DTensor
@@ -59,7 +61,8 @@ def addresses(params: List[Tensor]) -> List[int]:
 class Segment:
     """Parameters ``params`` (one group, one dtype, one device) and the optimizer's state for them."""
 
-    def __init__(self, group_index: int, params: List[Tensor], use_master: bool, state_names: tuple):
+    def __init__(self, group_index: int, params: List[Tensor], use_master: bool, state_names: tuple,
+                 precision: Optional[Precision] = None):
         self.group_index = group_index
         self.params = list(params)
         self.sharded = is_dtensor(self.params[0])  # FSDP2: all of an optimizer's parameters are DTensors or none
@@ -71,8 +74,20 @@ class Segment:
         self.contiguous = [p.is_contiguous() for p in tensors]
         self.device_index = p0.get_device()  # what Tensor.get_device() says for tensors on this device
         f32 = dict(dtype=torch.float32, device=self.device)
-        self.master: Optional[Tensor] = torch.zeros(self.total, **f32) if use_master else None  # gaps stay 0
-        self.states: Dict[str, Tensor] = {name: torch.zeros(self.total, **f32) for name in state_names}
+        # state precision (docs/state-precision.md): int16 remainders in place of bf16 parameters' masters, or no
+        # master (stochastic rounding); moments in fp32 or bf16; the seed of the segment's stochastic rounding
+        self.precision = precision or Precision()
+        self.master_format = self.precision.master_format(self.dtype, use_master)
+        use_master = use_master and self.master_format != sp.MASTER_NONE
+        master_dtype = torch.int16 if self.master_format == sp.MASTER_REMAINDER else torch.float32
+        self.master: Optional[Tensor] = (torch.zeros(self.total, dtype=master_dtype, device=self.device)
+                                         if use_master else None)  # gaps stay 0
+        moments = self.precision.moments if (use_master or self.dtype in (torch.float32, torch.bfloat16)) \
+            else torch.float32
+        self.states: Dict[str, Tensor] = {name: torch.zeros(self.total, dtype=moments, device=self.device)
+                                          for name in state_names}
+        self.seed = (self.precision.segment_seed(group_index, self.dtype, self.device)
+                     if self.master_format == sp.MASTER_NONE or moments == torch.bfloat16 else None)
         self.steps = torch.zeros(len(self.params), **f32)
         self.has_state = [False] * len(self.params)  # as torch.optim: state exists once a step saw a gradient
         self.lr = torch.zeros((), **f32)
@@ -85,7 +100,19 @@ class Segment:
         self.table[:, 3] = self.offsets
         self._addresses()
         self.all_state = False  # every parameter has state (no per-parameter bookkeeping after a step)
+        self.keep_remainders = False  # set by a load: the next follow keeps the loaded remainders
         self.step_dtypes = tuple(sorted({str(self.dtype)} | ({"torch.float32"} if use_master else set())))
+
+    @property
+    def remainders(self) -> bool:
+        return self.master_format == sp.MASTER_REMAINDER
+
+    def set_master_from(self, i: int, p: Tensor) -> None:
+        """Parameter ``i``'s master re-derived from its values: ``p`` in fp32, or (remainders) remainder 0."""
+        if self.remainders:
+            self.view(self.master, i).zero_()
+        else:
+            self.view(self.master, i).copy_(p)
 
     def _addresses(self) -> None:
         self.record_address = self.record.ctypes.data
@@ -138,6 +165,7 @@ class Segment:
         tensors = self.tensors()
         self.ptrs = addresses(tensors)
         self.vers = versions(tensors)
+        self.keep_remainders = False
 
     def forget(self) -> None:
         """Make the next check treat every parameter as changed (after a load: values are compared then)."""
@@ -151,6 +179,12 @@ class Segment:
         if self.master is None:
             return
         p = local(self.params[i])
+        if self.remainders:
+            # the weight is the truth: its remainder is reset (master = the weight's value), except right after a
+            # load_state_dict, whose remainders belong with the checkpoint's weights
+            if not self.keep_remainders:
+                self.set_master_from(i, p)
+            return
         m = self.view(self.master, i)
         m.copy_(_keep_or_rebuild(m, p))
 
@@ -166,17 +200,17 @@ def _keep_or_rebuild(master: Tensor, p: Tensor) -> Tensor:
 
 @torch.no_grad()
 def build_segment(group_index: int, params: List[Tensor], use_master: bool, state_names: tuple,
-                  previous: Dict[int, tuple]) -> Segment:
+                  previous: Dict[int, tuple], precision: Optional[Precision] = None) -> Segment:
     """A segment for ``params``, carrying each one's state from ``previous`` (``id(param) -> (old segment,
     index)``) when it had some: moments and step count follow the parameter to its new device, dtype and
     memory layout; its master is kept where it still rounds to the parameter's values, else rebuilt from
     them (a master of a parameter that had none is built from its values)."""
-    seg = Segment(group_index, params, use_master, state_names)
+    seg = Segment(group_index, params, use_master, state_names, precision)
     for i, (param, p) in enumerate(zip(seg.params, seg.tensors())):
         old = previous.get(id(param))
         if old is None:
             if seg.master is not None:
-                seg.view(seg.master, i).copy_(p)
+                seg.set_master_from(i, p)
             continue
         prev, j = old
         for name, flat in seg.states.items():
@@ -186,7 +220,14 @@ def build_segment(group_index: int, params: List[Tensor], use_master: bool, stat
         seg.has_state[i] = prev.has_state[j]
         if seg.master is not None:
             mine = seg.view(seg.master, i)
-            if prev.master is not None:
+            if seg.remainders or (prev.master is not None and prev.master.dtype != torch.float32):
+                # remainders follow only a parameter that stayed bf16 and kept its place in memory
+                same = seg.remainders and prev.remainders and prev.tensors()[j].data_ptr() == p.data_ptr()
+                if same:
+                    mine.copy_(prev.view(prev.master, j))
+                else:
+                    seg.set_master_from(i, p)
+            elif prev.master is not None:
                 mine.copy_(prev.view(prev.master, j))
                 mine.copy_(_keep_or_rebuild(mine, p))
             else:

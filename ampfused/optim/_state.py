@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import _params as P
+from ._precision import master_key, remainders_from
 from ._segment import is_dtensor, local
 
 
@@ -78,7 +79,7 @@ def export_state_dict(opt) -> dict:
             if seg.has_state[i]:
                 st = {name: seg.state_view(flat, i) for name, flat in seg.states.items()}
                 if seg.master is not None:
-                    st["master_param"] = seg.state_view(seg.master, i)
+                    st[master_key(seg)] = seg.state_view(seg.master, i)
                 entry = opt._export_param_state(st, steps[i], group)
                 if entry:  # (torch.optim.SGD without momentum keeps no state)
                     state[index[id(p)]] = entry
@@ -206,7 +207,14 @@ def import_state_dict(opt, state_dict: dict) -> None:
                     e, keys, steps[i] = entry
                     for key in keys:
                         seg.view(states[key], i).copy_(local(e[key]).reshape(p.shape))
-                if master is not None:
+                if master is not None and master.dtype == torch.int16:  # remainders (docs/state-precision.md)
+                    e = entry[0] if entry is not None else {}
+                    mine = seg.view(master, i)
+                    if e.get("master_remainder") is not None:
+                        mine.copy_(local(e["master_remainder"]).reshape(p.shape))
+                    elif e.get("master_param") is not None:
+                        mine.copy_(remainders_from(local(e["master_param"]).reshape(p.shape), p.detach()))
+                elif master is not None:
                     src = entry[0].get("master_param") if entry is not None else None
                     seg.view(master, i).copy_(local(src).reshape(p.shape) if src is not None else p.detach())
             built.append((seg, states, master, torch.tensor(steps, dtype=torch.float32).to(seg.device),
@@ -216,6 +224,7 @@ def import_state_dict(opt, state_dict: dict) -> None:
         seg.all_state = False
         seg.lr_value = None
         seg.forget()  # the next step compares every parameter with its (loaded) master
+        seg.keep_remainders = True  # (remainders: loaded with the weights they complete)
         for i, p in enumerate(seg.params):
             if not has_state[i]:
                 opt.state.pop(p, None)

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from .. import ops
 from . import _params as P
+from . import _precision
 from ._base import FusedOptimizer
 
 
@@ -62,7 +65,7 @@ class AdamMath:
         ops.call_step_("adam_step_", params, grads, seg.master, seg.states["exp_avg"], seg.states["exp_avg_sq"],
                        seg.steps, partials, inv_scale, lr, self._stats, beta1, beta2,
                        float(group["eps"]), float(group["weight_decay"]), max_norm, decoupled,
-                       bool(group["maximize"]), backend)
+                       bool(group["maximize"]), backend, seed=getattr(seg, "seed", None))
 
     def _step_op_table(self, seg, backend, group, partials, inv_scale, lr, max_norm) -> None:
         beta1, beta2, decoupled = self._hyper(group)
@@ -70,7 +73,7 @@ class AdamMath:
         backend.adam_step_table(table, seg.dtype, seg.master, seg.states["exp_avg"],
                                 seg.states["exp_avg_sq"], seg.steps, partials, inv_scale, lr, self._stats,
                                 beta1, beta2, float(group["eps"]), float(group["weight_decay"]),
-                                max_norm, decoupled, bool(group["maximize"]))
+                                max_norm, decoupled, bool(group["maximize"]), getattr(seg, "seed", None))
 
     def _state_keys_for_load(self, saved: dict):
         if "max_exp_avg_sq" in saved:
@@ -83,7 +86,14 @@ class _FusedAdamBase(AdamMath, FusedOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  maximize=False, max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
                  backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None,
-                 foreach=None, fused=None, capturable=False, differentiable=False, decoupled_weight_decay=None):
+                 foreach=None, fused=None, capturable=False, differentiable=False, decoupled_weight_decay=None,
+                 store_param_remainders: bool = False, bf16_stochastic_round: bool = False,
+                 exp_avg_dtype: torch.dtype = torch.float32, exp_avg_sq_dtype: torch.dtype = torch.float32,
+                 seed: int = 0):
+        # state precision (docs/state-precision.md): read by the segments this constructor builds
+        self._precision = _precision.make(type(self).__name__, master_weights, store_param_remainders,
+                                          bf16_stochastic_round,
+                                          {"exp_avg_dtype": exp_avg_dtype, "exp_avg_sq_dtype": exp_avg_sq_dtype}, seed)
         defaults = self.adam_defaults(lr, betas, eps, weight_decay, amsgrad, maximize, differentiable,
                                       foreach=foreach, fused=fused, capturable=capturable,
                                       decoupled_weight_decay=decoupled_weight_decay)
@@ -101,6 +111,12 @@ class FusedAdam(_FusedAdamBase):
     keeps them, and do not change the step (always fused and capturable). ``decoupled_weight_decay=True`` makes
     it AdamW, as in torch. ``betas`` may be numbers or two 1-element tensors (see docs/differences-from-torch.md
     for when a device tensor is read).
+
+    State precision (docs/state-precision.md): ``store_param_remainders=True`` keeps for bf16 parameters only
+    the 16 bits of the fp32 master that the weight lacks (10 bytes of state per parameter instead of 12, the
+    masters exactly those of the fp32 mode); ``bf16_stochastic_round=True`` keeps no master for bf16 parameters
+    and rounds their update stochastically; ``exp_avg_dtype``/``exp_avg_sq_dtype=torch.bfloat16`` store the
+    moments in bf16 (stochastic rounding). ``seed`` keys the stochastic rounding.
     """
 
 
@@ -113,12 +129,17 @@ class FusedAdamW(_FusedAdamBase):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
                  backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None,
-                 foreach=None, fused=None, capturable=False, differentiable=False):
+                 foreach=None, fused=None, capturable=False, differentiable=False,
+                 store_param_remainders: bool = False, bf16_stochastic_round: bool = False,
+                 exp_avg_dtype: torch.dtype = torch.float32, exp_avg_sq_dtype: torch.dtype = torch.float32,
+                 seed: int = 0):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          max_grad_norm=max_grad_norm, master_weights=master_weights, backend=backend,
                          spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module, foreach=foreach,
                          fused=fused, capturable=capturable, differentiable=differentiable,
-                         decoupled_weight_decay=True)
+                         decoupled_weight_decay=True, store_param_remainders=store_param_remainders,
+                         bf16_stochastic_round=bf16_stochastic_round, exp_avg_dtype=exp_avg_dtype,
+                         exp_avg_sq_dtype=exp_avg_sq_dtype, seed=seed)
 
     # torch.optim.AdamW stays AdamW whatever a loaded state dict's groups say (its __setstate__ sets the key)
     def load_state_dict(self, state_dict: dict) -> None:

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from .. import ops
+from . import _precision
 from . import _params as P
 from ._base import FusedOptimizer
 
@@ -39,7 +42,8 @@ class SgdMath:
         ops.call_step_("sgd_step_", params, grads, seg.master,
                        seg.states["momentum_buffer"] if momentum != 0 else None, seg.steps, partials, inv_scale, lr,
                        self._stats, momentum, float(group["dampening"]), float(group["weight_decay"]),
-                       bool(group["nesterov"]), max_norm, bool(group["maximize"]), backend)
+                       bool(group["nesterov"]), max_norm, bool(group["maximize"]), backend,
+                       seed=getattr(seg, "seed", None))
 
     def _step_op_table(self, seg, backend, group, partials, inv_scale, lr, max_norm) -> None:
         momentum = float(group["momentum"])
@@ -55,8 +59,9 @@ class SgdMath:
         groups = [group] if group is not None else self.param_groups
         has_momentum = any(g["momentum"] != 0 for g in groups)
         out = {"momentum_buffer": st["momentum_buffer"]} if step > 0 and has_momentum else {}
-        if "master_param" in st:
-            out["master_param"] = st["master_param"]
+        for key in ("master_param", "master_remainder"):
+            if key in st:
+                out[key] = st[key]
         return out
 
     def _import_step(self, saved: dict) -> float:
@@ -71,12 +76,18 @@ class SgdMath:
 class FusedSGD(SgdMath, FusedOptimizer):
     """SGD with fp32 master weights for fp16/bf16 parameters, in the fused check + norm + clip + update
     step. ``foreach``, ``fused`` and ``capturable`` are accepted for drop-in use (``foreach`` and ``fused`` kept
-    in the param groups as torch keeps them) and do not change the step."""
+    in the param groups as torch keeps them) and do not change the step. State precision
+    (docs/state-precision.md): ``store_param_remainders``, ``bf16_stochastic_round`` and ``seed`` as in
+    :class:`ampfused.FusedAdam`; ``momentum_dtype=torch.bfloat16`` stores the momentum buffer in bf16."""
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
                  backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None,
-                 foreach=None, fused=None, capturable=False, differentiable=False):
+                 foreach=None, fused=None, capturable=False, differentiable=False,
+                 store_param_remainders: bool = False, bf16_stochastic_round: bool = False,
+                 momentum_dtype: torch.dtype = torch.float32, seed: int = 0):
+        self._precision = _precision.make(type(self).__name__, master_weights, store_param_remainders,
+                                          bf16_stochastic_round, {"momentum_dtype": momentum_dtype}, seed)
         defaults = self.sgd_defaults(lr, momentum, dampening, weight_decay, nesterov, maximize, differentiable,
                                      foreach=foreach, fused=fused)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
