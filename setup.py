@@ -47,17 +47,23 @@ CUDA_HOME = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
-def sources_hash() -> str:
-    """Hash of csrc/ (paths and contents); the loader compares it to detect a stale build."""
+SOURCE_DIRS = {"cpu": ("cpu", "include"), "cuda": ("cuda", "include"), "host": ("host", "include")}
+
+
+def sources_hash(kind: str) -> str:
+    """Hash of the csrc/ folders module ``kind`` is built from (paths and contents); the loader compares it to
+    detect a stale build (ampfused/_native.py computes the same), so editing one module's sources leaves the
+    others current."""
     h = hashlib.sha256()
-    for dirpath, dirnames, filenames in os.walk(CSRC):
-        dirnames.sort()
-        for name in sorted(filenames):
-            if name.endswith((".h", ".cuh", ".cpp", ".cu")):
-                path = os.path.join(dirpath, name)
-                h.update(os.path.relpath(path, CSRC).replace(os.sep, "/").encode() + b"\0")
-                with open(path, "rb") as f:
-                    h.update(f.read() + b"\0")
+    for top in SOURCE_DIRS[kind]:
+        for dirpath, dirnames, filenames in os.walk(os.path.join(CSRC, top)):
+            dirnames.sort()
+            for name in sorted(filenames):
+                if name.endswith((".h", ".cuh", ".cpp", ".cu")):
+                    path = os.path.join(dirpath, name)
+                    h.update(os.path.relpath(path, CSRC).replace(os.sep, "/").encode() + b"\0")
+                    with open(path, "rb") as f:
+                        h.update(f.read() + b"\0")
     return h.hexdigest()[:16]
 
 
@@ -268,9 +274,10 @@ def native_extensions():
         SKIPPED.update(cpu="AMPFUSED_SKIP_NATIVE_BUILD=1", cuda="AMPFUSED_SKIP_NATIVE_BUILD=1")
         return []
     cxx = os.environ.get("CXX", "c++")
-    src_hash = sources_hash()
     # only the module files carry the build's identity, so editing one kernel recompiles only it
-    identity = [f'-DAMPFUSED_VERSION="{VERSION}"', f'-DAMPFUSED_SOURCES_HASH="{src_hash}"']
+    identity = [f'-DAMPFUSED_VERSION="{VERSION}"', f'-DAMPFUSED_SOURCES_HASH="{sources_hash("cpu")}"']
+    host_identity = [f'-DAMPFUSED_VERSION="{VERSION}"', f'-DAMPFUSED_SOURCES_HASH="{sources_hash("host")}"']
+    cuda_base = [f'-DAMPFUSED_VERSION="{VERSION}"', f'-DAMPFUSED_SOURCES_HASH="{sources_hash("cuda")}"']
     # No contraction (fp32 results follow the written expression on every ISA); no errno, so sqrt
     # vectorises; results are unchanged by either.
     flags = ["-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fno-unswitch-loops"]
@@ -286,14 +293,14 @@ def native_extensions():
     link = omp + (["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else [])
     exts = [NativeExtension("ampfused._C", cpu_sources, cxx_flags=flags + omp, per_source=per_source,
                             link_flags=link, defines=isa_defines)]
-    host = host_extension(cxx, identity)
+    host = host_extension(cxx, host_identity)
     if host is not None:
         exts.append(host)
     nvcc, cuda_root = (None, None) if SKIP_CUDA else find_nvcc()
     if nvcc and cuda_root:
         archs, gencode = gencode_flags(nvcc)
         threads = NVCC_THREADS or str(max(1, min(len(archs), (os.cpu_count() or 1) // 2)))
-        cuda_identity = identity + [f'-DAMPFUSED_CUDA_ARCHS="{";".join(archs)}"',
+        cuda_identity = cuda_base + [f'-DAMPFUSED_CUDA_ARCHS="{";".join(archs)}"',
                                     f'-DAMPFUSED_NVCC_VERSION="{nvcc_version(nvcc)}"']
         nvcc_flags = ["-O3", "-std=c++17", "--fmad=false", "--threads", threads, "-Xcompiler", "-fPIC",
                       "-Xcompiler", "-fvisibility=hidden", "-DNDEBUG", f"-I{os.path.join(CSRC, 'include')}",

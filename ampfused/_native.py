@@ -34,22 +34,27 @@ _cache: Dict[str, object] = {}
 _errors: Dict[str, str] = {}
 
 
-def _checkout_sources_hash() -> Optional[str]:
-    """Hash of ``csrc/`` as setup.py computes it, when this package runs from a checkout (editable)."""
+SOURCE_DIRS = {"cpu": ("cpu", "include"), "cuda": ("cuda", "include"), "host": ("host", "include")}  # as setup.py
+
+
+def _checkout_sources_hash(kind: str) -> Optional[str]:
+    """Hash of the ``csrc/`` folders module ``kind`` is built from, as setup.py computes it, when this package
+    runs from a checkout (editable)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     csrc = os.path.join(root, "csrc")
     if not (os.path.isfile(os.path.join(root, "setup.py")) and os.path.isfile(os.path.join(csrc, "include", "ampfused",
                                                                                           "math.h"))):
         return None  # an installed wheel: no checkout to compare with
     h = hashlib.sha256()
-    for dirpath, dirnames, filenames in os.walk(csrc):
-        dirnames.sort()
-        for name in sorted(filenames):
-            if name.endswith((".h", ".cuh", ".cpp", ".cu")):
-                path = os.path.join(dirpath, name)
-                h.update(os.path.relpath(path, csrc).replace(os.sep, "/").encode() + b"\0")
-                with open(path, "rb") as f:
-                    h.update(f.read() + b"\0")
+    for top in SOURCE_DIRS[kind]:
+        for dirpath, dirnames, filenames in os.walk(os.path.join(csrc, top)):
+            dirnames.sort()
+            for name in sorted(filenames):
+                if name.endswith((".h", ".cuh", ".cpp", ".cu")):
+                    path = os.path.join(dirpath, name)
+                    h.update(os.path.relpath(path, csrc).replace(os.sep, "/").encode() + b"\0")
+                    with open(path, "rb") as f:
+                        h.update(f.read() + b"\0")
     return h.hexdigest()[:16]
 
 
@@ -73,7 +78,7 @@ def _load(kind: str):
     if info.get("version") != __version__:
         raise ImportError(f"{name} is stale: built for ampfused {info.get('version')} ({_describe(info)}), "
                           f"but this is ampfused {__version__}; {REBUILD}")
-    want = _checkout_sources_hash()
+    want = _checkout_sources_hash(kind)
     if want is not None and info.get("sources_hash") != want:
         raise ImportError(f"{name} is stale: built from csrc/ sources {info.get('sources_hash')} "
                           f"({_describe(info)}), but the checkout's csrc/ is {want}; {REBUILD}")

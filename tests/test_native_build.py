@@ -21,7 +21,7 @@ NVCC = shutil.which("nvcc")
 def test_cpu_module_built_from_this_checkout():
     assert _native.unavailable_reason("cpu") is None, _native.unavailable_reason("cpu")
     info = _native.build_info("cpu")
-    assert info["sources_hash"] == _native._checkout_sources_hash()
+    assert info["sources_hash"] == _native._checkout_sources_hash("cpu")
     mod = _native.module("cpu")
     assert "default" in info["isas"] and mod.isa() in mod.supported_isas()
 
@@ -34,7 +34,7 @@ def test_cuda_sources_compile():
         assert why is None or why.startswith("no CUDA device") or "torch sees no CUDA" in why, (
             f"nvcc is on PATH ({NVCC}) but ampfused._C_cuda is not usable: {why}")
         info = _native.build_info("cuda")
-        assert info["sources_hash"] == _native._checkout_sources_hash() and info["archs"]
+        assert info["sources_hash"] == _native._checkout_sources_hash("cuda") and info["archs"]
         return
     listed = subprocess.run([NVCC, "--list-gpu-arch"], capture_output=True, text=True).stdout.split()
     arch = next((a.split("_")[1] for a in ("compute_90", "compute_80") if a in listed), "80")
@@ -77,6 +77,8 @@ def test_cuda_work_lists_follow_the_kernel_geometry():
     chunks = [(k << 32) | c for k, n in active for c in range(-(-n // chunk))]
     columns = [(k << 32) | j for k, n in active for j in range(min(-(-n // tile), most))]
     assert host.dtype == torch.int64 and host.tolist() == rows + chunks + columns
+    again, _, _ = cuda_ops.work_lists(torch.tensor(rows).view(-1, 4).numpy(), chunk, tile, most, shift)
+    assert again.tolist() == host.tolist()  # the fused optimizers hand over their numpy tables
     assert (num_chunks, num_columns) == (len(chunks), len(columns)) == (1 + 1 + 2 + 3 + 129 + 1, len(columns))
     assert num_columns == mod.num_partials([n for _, n in active])
     empty, nc, ncol = cuda_ops.work_lists([], chunk, tile, most, shift)
@@ -94,7 +96,7 @@ def test_missing_and_stale_builds_say_how_to_rebuild(monkeypatch):
     monkeypatch.setattr(_native, "_cache", {})
     monkeypatch.setattr(_native, "_errors", {})
     monkeypatch.setitem(_native.MODULES, "cpu", "ampfused._C")
-    monkeypatch.setattr(_native, "_checkout_sources_hash", lambda: "0123456789abcdef")
+    monkeypatch.setattr(_native, "_checkout_sources_hash", lambda kind: "0123456789abcdef")
     why = _native.unavailable_reason("cpu")
     assert "stale" in why and "built from csrc/ sources" in why and "pip install -e ." in why
 

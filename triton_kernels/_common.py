@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ampfused.ops import _work
+
 # The step's tensor table (csrc/include/ampfused/step_args.h): one row per parameter of {param address,
 # grad address, numel (NO_GRAD when the parameter has no gradient this step), offset in the flat state
 # buffers}, int64, in the memory the kernels run on.
@@ -232,37 +234,27 @@ class Plan(NamedTuple):
     host: torch.Tensor        # the host copy the upload reads (kept while the plan lives)
 
 
-def chunk_list(numels: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``[C, 2]`` int64 (row, first element) of the chunks of ``chunk`` elements that cover each row's
-    ``numels[row]`` elements, rows in order, chunks in memory order; rows of numel <= 0 own none."""
-    counts = (numels.clamp(min=0) + (chunk - 1)) // chunk
-    rows = torch.repeat_interleave(torch.arange(numels.numel(), dtype=torch.int64), counts)
-    first = torch.cumsum(counts, 0) - counts
-    starts = (torch.arange(rows.numel(), dtype=torch.int64) - first[rows]) * chunk
-    return torch.stack([rows, starts], dim=1)
+def make_plan(rows, cols: int, numel_col: int, addr_cols: Sequence[int], chunk: int, device: torch.device) -> Plan:
+    """Chunk a table (a flat list of ints, ``cols`` per row, or an int64 ``[rows, cols]`` array) and upload the
+    table and its chunk list (``(row, first element)`` pairs, rows in order, chunks in memory order; rows of
+    numel <= 0 own none) together.
 
-
-def make_plan(rows: Sequence[int], cols: int, numel_col: int, addr_cols: Sequence[int], chunk: int,
-              device: torch.device) -> Plan:
-    """Chunk a table given as a flat list of ints (``cols`` per row) and upload table and chunks together.
-
-    On CUDA the upload is an asynchronous copy from pinned memory on the current stream (no host sync).
-    ``aligned`` looks at the ``addr_cols`` of the rows that own chunks (numel > 0).
+    The chunk list is written by one C++ pass into page-locked staging memory, and on CUDA the upload is an
+    asynchronous copy from it on the current stream: no host wait (``ampfused/ops/_work.py``). ``aligned`` looks
+    at the ``addr_cols`` of the rows that own chunks (numel > 0).
     """
-    aligned = all(rows[r + c] % ALIGN == 0 for r in range(0, len(rows), cols) if rows[r + numel_col] > 0
-                  for c in addr_cols)
-    table = torch.tensor(rows, dtype=torch.int64).view(-1, cols)
-    chunks = chunk_list(table[:, numel_col], chunk)
+    table = _work.as_table(rows, cols)
+    owners = table[table[:, numel_col] > 0]
+    aligned = bool((owners[:, list(addr_cols)] % ALIGN == 0).all())
+    num_chunks = _work.work_list(table, numel_col, chunk, _work.UNCAPPED, -1)
+    n_table, n_chunks = table.size, 2 * num_chunks
     # one buffer, never empty: [table | chunks | pad]
-    host = torch.cat([table.flatten(), chunks.flatten(), torch.zeros(1, dtype=torch.int64)])
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            host = host.pin_memory()
-            buf = host.to(device, non_blocking=True)
-    else:
-        buf = host
-    n_table = table.numel()
-    return Plan(buf[:n_table], buf[n_table:n_table + chunks.numel()], chunks.shape[0], chunk, aligned, host)
+    host, view = _work.staging(n_table + n_chunks + 1, device)
+    view[:n_table] = table.reshape(-1)
+    _work.work_list(table, numel_col, chunk, _work.UNCAPPED, -1, view[n_table:n_table + n_chunks])
+    view[n_table + n_chunks] = 0
+    buf = _work.upload(host, device)
+    return Plan(buf[:n_table], buf[n_table:n_table + n_chunks], num_chunks, chunk, aligned, host)
 
 
 def device_guard(t):

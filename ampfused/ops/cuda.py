@@ -13,8 +13,10 @@ K2 (the step) is one launch over all parameters of a step. Their addresses trave
 *columns* (every partial of those gradients, as ``row << WORK_SHIFT | j``, for ``single_launch`` and the fused
 optimizers' K1). They are cached per step tensor (one per optimizer), or for the fused optimizers per segment
 table (its bytes compared with those last uploaded): a step whose table is the same list of ints as the last one reuses
-the device copy, so a warm step uploads and allocates nothing; a changed table is uploaded, ordered on
-``torch.cuda.current_stream()``; a changed table while a CUDA graph is being captured is an error (a captured
+the device copy, so a warm step uploads and allocates nothing; a changed table and its work lists are written by
+one C++ pass into page-locked staging memory and uploaded by an asynchronous copy ordered on
+``torch.cuda.current_stream()``, so the host never waits for the device (``ampfused/ops/_work.py``); a changed
+table while a CUDA graph is being captured is an error (a captured
 step must see the tensors of its warm-up). The kernel is a persistent grid (at most the blocks resident on the
 device) whose blocks each reduce all partials in the same order, return at once on found_inf, then walk the
 chunks; the last block done adds 1 to ``steps[i]`` of every parameter with a gradient (an integer arrival
@@ -34,7 +36,7 @@ import torch
 from torch import Tensor
 
 from .. import _native
-from . import checks
+from . import _work, checks
 from .cpu import CpuBackend
 
 _N = _native
@@ -47,7 +49,6 @@ _WORKS_LIMIT = 4096
 _works: Dict[Tuple[int, int], "_Work"] = {}  # (device index, address of a step tensor) -> its cached work
 _kept_for_graphs: List[Tensor] = []  # device work lists that a captured CUDA graph may still read
 stats = {"uploads": 0}  # tensor tables uploaded to a device so far (a warm step uploads none)
-_N_COLS = 4  # columns of the tensor table (step_args.h: kTableCols, the module's TABLE_COLS)
 
 
 def _device_index(device: torch.device) -> int:
@@ -74,23 +75,14 @@ def _counter(step: Tensor) -> int:
     return _slab(step.device).data_ptr() + 4 * slot
 
 
-def _items(rows: Tensor, counts: Tensor, shift: int) -> Tensor:
-    """``row << shift | i`` for ``i`` in ``range(count)``, for each (row, count) in order (host int64)."""
-    first = torch.cumsum(counts, 0) - counts
-    within = torch.arange(int(counts.sum()), dtype=torch.int64) - torch.repeat_interleave(first, counts)
-    return (torch.repeat_interleave(rows, counts) << shift) | within
-
-
-def work_lists(rows: List[int], chunk: int, tile: int, max_partials: int, shift: int) -> Tuple[Tensor, int, int]:
-    """The tensor table (a flat list of ints, see ``_native.step_table``) followed by its chunk list and its
-    K1 column list, as one host int64 tensor; with the number of chunks and of columns."""
-    table = torch.tensor(rows, dtype=torch.int64)
-    numel = table.view(-1, _N_COLS)[:, 2]
-    active = torch.nonzero(numel != _N.NO_GRAD).flatten()
-    n = numel[active]
-    chunks = _items(active, (n + chunk - 1) // chunk, shift)
-    columns = _items(active, torch.clamp((n + tile - 1) // tile, max=max_partials), shift)
-    return torch.cat([table, chunks, columns]), chunks.numel(), columns.numel()
+def work_lists(rows, chunk: int, tile: int, max_partials: int, shift: int,
+               device: torch.device = torch.device("cpu")) -> Tuple[Tensor, int, int]:
+    """The tensor table (a flat list of ints or an int64 ``[T, 4]`` array, see ``_native.step_table``) followed
+    by its chunk list and its K1 column list, as one host int64 tensor (page-locked when ``device`` is a CUDA
+    device, for an upload without a host wait); with the number of chunks and of columns. Built by one C++ pass
+    (``ampfused/ops/_work.py``)."""
+    host, n_table, num_chunks, num_columns = _work.cuda_work(rows, chunk, tile, max_partials, shift, device)
+    return host[:n_table + num_chunks + num_columns], num_chunks, num_columns
 
 
 class _Work:
@@ -103,6 +95,8 @@ class _Work:
         self.basis, self.codes, self.host, self.dev = basis, codes, host, dev  # what a later table is compared with
         self.table = dev.data_ptr()
         self.chunks = self.table + 8 * (host.numel() - num_chunks - num_columns)  # past the table's ints
+        # (host is the staged [table | chunks | columns], page-locked: kept until the entry goes, so its block is
+        # not handed out again while this entry may still be uploaded from; the allocator's event covers the rest)
         self.num_chunks = num_chunks
         self.columns = self.chunks + 8 * num_chunks
         self.num_columns = num_columns
@@ -177,7 +171,7 @@ class CudaBackend(CpuBackend):
         codes = (code, code)
         now = table.tobytes()
         return self._cached_work(key, lambda w: w.basis == now and w.codes == codes,
-                                 lambda: table.reshape(-1).tolist(), lambda: now, codes, device, lambda: None)
+                                 lambda: table, lambda: now, codes, device, lambda: None)
 
     def _cached_work(self, key, same, rows_of, basis, codes, device: torch.device, check) -> _Work:
         index = key[0]
@@ -194,9 +188,9 @@ class CudaBackend(CpuBackend):
             check()
             mod = self._mod()
             host, num_chunks, num_columns = work_lists(rows_of(), mod.STEP_CHUNK, mod.TILE,
-                                                       mod.MAX_PARTIALS_PER_TENSOR, mod.WORK_SHIFT)
-            dev = torch.empty(host.numel(), dtype=torch.int64, device=device)
-            dev.copy_(host, non_blocking=True)  # ordered on the current stream; no host synchronisation
+                                                       mod.MAX_PARTIALS_PER_TENSOR, mod.WORK_SHIFT, device)
+            # from page-locked memory: an asynchronous copy ordered on the current stream, no host wait
+            dev = _work.upload(host, device)
             stats["uploads"] += 1
             new = _Work(basis(), codes, host, dev, num_chunks, num_columns, stream)
             old = _works.pop(key, None)

@@ -211,13 +211,14 @@ class TritonBackend(Backend):
         tables = tuple(table for _, _, _, table in segments)
 
         def build():
-            rows: List[int] = []
+            parts = []
             for _, _, dtype, table in segments:
                 active = table[table[:, 2] != _native.NO_GRAD]
                 grad_rows = numpy.empty((len(active), 3), dtype=numpy.int64)  # address, numel, dtype code
                 grad_rows[:, 0], grad_rows[:, 1] = active[:, 1], active[:, 2]
                 grad_rows[:, 2] = _native.DTYPE_CODES[dtype]
-                rows += grad_rows.reshape(-1).tolist()
+                parts.append(grad_rows)
+            rows = numpy.concatenate(parts) if parts else numpy.empty((0, 3), dtype=numpy.int64)
             return common.make_plan(rows, 3, 1, (0,), k1.CHUNK, device)
 
         device = inv_scale.device
@@ -231,7 +232,7 @@ class TritonBackend(Backend):
         common = _kernels("_common")
         return self.step_tables.get_tables(
             (device, "table", array.ctypes.data, chunk), (array,),
-            lambda: common.make_plan(array.reshape(-1).tolist(), 4, 2, (0, 1), chunk, device), _capturing(device),
+            lambda: common.make_plan(array, 4, 2, (0, 1), chunk, device), _capturing(device),
             "the parameters and gradients of a step")
 
     def adam_step_table(self, table: tuple, dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,

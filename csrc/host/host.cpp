@@ -12,7 +12,9 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <stdexcept>
 
 #include "ampfused/build_id.h"
 #include "ampfused/step_args.h"
@@ -122,6 +124,43 @@ bool same_items(py::list a, py::list b) {
   return true;
 }
 
+// work_list(table, rows, cols, numel_col, chunk, cap, shift, out) -> count
+//   The work items of a tensor table (int64 [rows, cols] at address `table`): for each row r in order whose
+//   numel (column `numel_col`) is positive, k = min(ceil(numel / chunk), cap) items, i = 0 .. k-1:
+//     shift >= 0: one int64 each, (r << shift) | i          (the CUDA kernels' chunk and K1 column lists);
+//     shift <  0: two int64 each, (r, i * chunk)            (the Triton kernels' chunk list).
+//   Rows without a gradient (numel kNoGrad) and empty gradients own no item. With out == 0 only counts.
+//   This replaces a dozen host tensor ops per changed table (tolist, cumsum, repeat_interleave, cat) with one
+//   pass that writes straight into the page-locked staging buffer the upload reads.
+int64_t work_list(uintptr_t table, int64_t rows, int64_t cols, int64_t numel_col, int64_t chunk, int64_t cap,
+                  int64_t shift, uintptr_t out) {
+  if (chunk <= 0 || cap <= 0 || cols <= numel_col || numel_col < 0 || rows < 0) {
+    throw std::invalid_argument("work_list: chunk and cap must be positive and numel_col a column of the table");
+  }
+  const int64_t* t = reinterpret_cast<const int64_t*>(table);
+  int64_t* o = reinterpret_cast<int64_t*>(out);
+  int64_t count = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = t[r * cols + numel_col];
+    if (n <= 0) continue;
+    const int64_t k = std::min((n - 1) / chunk + 1, cap);
+    if (o != nullptr) {
+      if (shift >= 0) {
+        const int64_t base = r << shift;
+        for (int64_t i = 0; i < k; ++i) o[count + i] = base | i;
+      } else {
+        int64_t* pair = o + 2 * count;
+        for (int64_t i = 0; i < k; ++i) {
+          pair[2 * i] = r;
+          pair[2 * i + 1] = i * chunk;
+        }
+      }
+    }
+    count += k;
+  }
+  return count;
+}
+
 py::dict build_info() {
   py::dict d = ampfused::build_identity();
   d["torch"] = AMPFUSED_TORCH_VERSION;
@@ -140,4 +179,6 @@ PYBIND11_MODULE(_host, m) {
   m.def("scan", &scan, py::arg("params"), py::arg("record"), py::arg("table"), py::arg("chunk"));
   m.def("bump", &bump, py::arg("params"), py::arg("table"), py::arg("record"));
   m.def("same_items", &same_items, py::arg("a"), py::arg("b"));
+  m.def("work_list", &work_list, py::arg("table"), py::arg("rows"), py::arg("cols"), py::arg("numel_col"),
+        py::arg("chunk"), py::arg("cap"), py::arg("shift"), py::arg("out"));
 }
