@@ -15,6 +15,7 @@ if REPO not in sys.path:  # bench/ is a directory of the repository, not part of
     sys.path.insert(0, REPO)
 
 from bench.gpu import check as gpu_check, probe as gpu_probe  # noqa: E402
+from bench.gpu.parts import PARTS  # noqa: E402
 
 NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 GPU_STAGES = [s.name for s in gpu_check.STAGES if s.gpu]
@@ -76,8 +77,19 @@ def test_dry_run_without_cuda_skips_every_gpu_stage_and_writes_the_summary(tmp_p
     assert "SKIP" in run.stdout and "overall" in run.stdout
 
 
-def test_stage_limits_fit_one_ten_minute_call():
-    assert sum(s.limit for s in gpu_check.STAGES) <= gpu_check.DEFAULT_BUDGET <= 575
+def _part_stages(part):
+    groups = set(part.only) | {"env"}
+    return [s for s in gpu_check.STAGES if groups & {s.name, *s.groups}]
+
+
+def test_each_part_fits_one_ten_minute_call_and_the_parts_cover_every_stage():
+    assert gpu_check.DEFAULT_BUDGET <= 575
+    covered = set()
+    for name, part in PARTS.items():
+        stages = _part_stages(part)
+        assert sum(part.limits.get(s.name, s.limit) for s in stages) <= gpu_check.DEFAULT_BUDGET, name
+        covered |= {s.name for s in stages}
+    assert covered == set(gpu_check.STAGE_NAMES)
     assert len(set(gpu_check.STAGE_NAMES)) == len(gpu_check.STAGES)
     assert len(gpu_check.OUTPUT_FILES) <= 8 and all(NAME.match(n) for n in gpu_check.OUTPUT_FILES)
 
@@ -142,11 +154,11 @@ def test_unused_time_rolls_over_while_later_stages_keep_their_limits(tmp_path):
     i = gpu_check.STAGE_NAMES.index
     later = sum(s.limit for s in gpu_check.STAGES[i("info") + 1:])
     # CUDA not known yet: the GPU stages keep their reserve
-    assert run.effective_limit(i("info"), 540.0) == 540.0 - later
+    assert run.effective_limit(i("info"), later + 30.0) == 30.0
     assert run.effective_limit(i("info"), 200.0) == 15.0  # behind schedule: its own limit, no more
     run.cuda = False  # no GPU: only the host stages are reserved for
     host_later = sum(s.limit for s in gpu_check.STAGES[i("info") + 1:] if not s.gpu)
-    assert run.effective_limit(i("info"), 500.0) == 500.0 - host_later
+    assert run.effective_limit(i("info"), host_later + 300.0) == 300.0
     assert run.effective_limit(i("bench"), 300.0) == 300.0
     assert run.effective_limit(i("bench"), 5.0) == 5.0  # never past the budget
     args.no_rollover = True
@@ -265,3 +277,28 @@ def test_the_doc_lists_every_stage_with_its_limit():
         secs = secs * len(names) if "each" in limits else secs
         listed.update(zip(names, secs))
     assert listed == {s.name: s.limit for s in gpu_check.STAGES}
+
+
+def test_parts_merge_into_one_summary(tmp_path):
+    """Two parts run without a GPU (build and the suite skipped): the merged summary takes each stage from the part
+    that ran it, and a stage no part selected says so."""
+    dirs = []
+    for part in ("kernels", "suite"):
+        d = tmp_path / part
+        r = subprocess.run([sys.executable, "-m", "bench.gpu", str(d), "--part", part, "--skip", "build,suite"],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        dirs.append(str(d))
+    out = tmp_path / "merged"
+    r = subprocess.run([sys.executable, "-m", "bench.gpu.merge", str(out)] + dirs, cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((out / "summary.json").read_text())
+    rows = {s["name"]: s for s in data["stages"]}
+    assert set(rows) == set(gpu_check.STAGE_NAMES) and data["parts"] == ["kernels", "suite"]
+    assert rows["info"]["part"] == "kernels" and rows["info"]["status"] == "PASS"
+    assert rows["suite-rest"]["part"] == "suite" and "--skip" in rows["suite-rest"]["reason"]
+    assert rows["no-wait"]["part"] == "kernels" and "no CUDA device" in rows["no-wait"]["reason"]
+    assert rows["sanitizer-memcheck"]["reason"] == "run by no part"
+    md = (out / "summary.md").read_text()
+    assert "| no-wait | kernels | SKIP |" in md and "**overall: PASS with skips**" in md

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from .parts import PARTS
 from .tools import (FAIL, PASS, PENDING, PROBE_SKIP_EXIT, SKIP, TIMEOUT, Outcome, _exit_words, _last_line,
                               _probe_line, find_sanitizer, pytest_outcome, run_limited, sanitizer_verdict,
                               xdist_available)
@@ -44,6 +45,7 @@ BENCH_STEM = "bench"
 OUTPUT_FILES = (SUMMARY_MD, SUMMARY_JSON, LOG, f"{BENCH_STEM}.csv", f"{BENCH_STEM}.txt", f"{BENCH_STEM}.png")
 DEFAULT_BUDGET = 575.0  # seconds: the whole run, inside one 10-minute command
 DEFAULT_WORKLOADS = "1Mx200,16Mx32,gpt2-small"
+NO_WAIT_TESTS = "tests/test_gpu_nowait.py"
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 LOG_SECTION_LIMIT = 1 << 20  # bytes of one stage's output kept in the combined log (head and tail)
 
@@ -64,6 +66,8 @@ STAGES: List[Stage] = [
     Stage("info", "python -m ampfused.info", 15, False),
     Stage("suite-gpu", "pytest -m gpu: the GPU-marked tests", 110, True, ("suite",)),
     Stage("suite-rest", "pytest -m 'not gpu': the rest of the suite", 150, False, ("suite",)),
+    Stage("no-wait", "pytest tests/test_gpu_nowait.py: a device sleep queued before each step outlasts it", 40, True,
+          ("probes",)),
     Stage("sanitizer-memcheck", "compute-sanitizer memcheck over the op workload", 35, True, ("sanitizer",)),
     Stage("sanitizer-racecheck", "compute-sanitizer racecheck over the op workload", 60, True, ("sanitizer",)),
     Stage("sanitizer-synccheck", "compute-sanitizer synccheck over the op workload", 20, True, ("sanitizer",)),
@@ -143,7 +147,11 @@ class Run:
             workers = a.gpu_workers if stage.name == "suite-gpu" else a.workers
             if workers > 1 and xdist_available():
                 cmd += ["-n", str(workers)]
+            if stage.name == "suite-gpu":  # the no-wait tests are a stage of their own
+                cmd += [f"--ignore={NO_WAIT_TESTS}"]
             return cmd + ["tests"], {}, ""
+        if stage.name == "no-wait":
+            return [py, "-m", "pytest", "-q", "-rfEs", "-s", "-p", "no:cacheprovider", NO_WAIT_TESTS], {}, ""
         if stage.name.startswith("sanitizer-"):
             tool = stage.name.split("-", 1)[1]
             if self.sanitizer is None:
@@ -171,7 +179,7 @@ class Run:
         if timed_out:
             o.status = TIMEOUT
             extra = ""
-            if stage.name.startswith("suite"):
+            if stage.name.startswith("suite") or stage.name == "no-wait":
                 got = pytest_outcome(text)
                 extra = f"; pytest's counts when interrupted: {got}" if got else ""
             o.reason = f"stopped at its limit of {o.limit_s:.0f} s{extra}"
@@ -213,9 +221,11 @@ class Run:
             else:
                 o.status, o.reason = PASS, "; ".join(d.strip() for d in dispatch)
             return
-        if stage.name.startswith("suite"):
+        if stage.name.startswith("suite") or stage.name == "no-wait":
             got = pytest_outcome(text)
             o.details = {"pytest": got}
+            if stage.name == "no-wait":
+                o.details["reported"] = re.findall(r"^\[no-wait\] .*$", text, re.M)
             if code == 0:
                 o.status, o.reason = PASS, got or "pytest exited 0"
             elif code == 5:
@@ -390,7 +400,7 @@ class Run:
         counts_rows = (self.outcome("launch-counts").details.get("metrics") or {}).get("rows") \
             if isinstance(self.outcome("launch-counts").details.get("metrics"), dict) else None
         if counts_rows:
-            from .gpu_probe import counts_table
+            from .probe import counts_table
             lines += ["", "## Launches and host time per step (reported, not asserted)", "",
                       "FusedAdamW (bf16 parameters, fp32 masters, clipping), 1M parameters; medians. 'fresh grads': "
                       "the gradients set to None and handed over as new tensors before each step.", ""]
@@ -476,6 +486,10 @@ def parser() -> argparse.ArgumentParser:
                "\"$OUT\"\na dry run without a GPU:\n  python3 -m bench.gpu /tmp/gpu-check --skip build,suite",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir", metavar="OUT_DIR", help="where the summary, the log and the benchmark files go")
+    p.add_argument("--part", choices=sorted(PARTS), default=None,
+                   help="run one part of the check, sized for one 10-minute command: " + "; ".join(
+                       f"{k}: {v.title}" for k, v in PARTS.items()) + ". Merge the parts' folders with "
+                       "python -m bench.gpu.merge OUT_DIR PART_DIR...")
     p.add_argument("--skip", type=_names, default=[], help="comma list of stages or groups to skip")
     p.add_argument("--only", type=_names, default=[], help="comma list of stages or groups to run (env always "
                                                            "runs unless skipped: the GPU stages need it)")
@@ -504,6 +518,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
     args.limit = dict(args.limit)
+    if args.part:  # the part's stages and limits; --only, --limit given too still win
+        part = PARTS[args.part]
+        args.only = args.only or list(part.only)
+        args.limit = {**part.limits, **args.limit}
     if args.only and "env" not in args.only and "env" not in args.skip:
         args.only = ["env"] + args.only
     run = Run(args)
