@@ -8,7 +8,8 @@ constructs its owner):
   ``OptimizersContainer`` whose ``"AdamW"`` and ``"Adam"`` param groups build :class:`ampfused.FusedAdamW` /
   :class:`ampfused.FusedAdam`. Its state dict is torchtitan's flat, FQN-keyed one with torch's keys, so a
   checkpoint saved by torchtitan's own ``AdamW`` container resumes here and the other way round.
-* :class:`FusedTrainer` (``FusedTrainer.Config(...)`` in place of ``Trainer.Config(...)``): hands
+* :class:`FusedTrainer` (``FusedTrainer.Config(...)`` in place of ``Trainer.Config(...)``, or
+  ``fused_config(recipe())`` over an existing recipe): hands
   ``training.max_norm`` to the optimizers' ``max_grad_norm`` and turns torchtitan's own clip pass off; the norm
   its metrics log is the fused step's ``last_grad_norm`` (a device tensor, read only when torchtitan logs), and
   every log line carries ``optimizer/skipped_steps`` and ``optimizer/last_step_skipped``.
@@ -21,6 +22,7 @@ torchtitan's.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import sys
@@ -38,18 +40,22 @@ TESTED_VERSION = "0.3.0"
 
 _FACTORIES = {"AdamW": FusedAdamW, "Adam": FusedAdam}
 
-# what torch.optim.Adam/AdamW keep in each param group and the fused optimizers do not: written into saved
-# state dicts (so torchtitan's own container can load them) and never into the fused optimizers' groups
+# what torch.optim.Adam/AdamW keep in each param group: written into saved state dicts where the fused
+# optimizers' groups lack them (so torchtitan's own container can load them); foreach/fused always from the
+# container's implementation setting (the fused optimizers accept and ignore them)
 _TORCH_ONLY_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
 # what the fused optimizers keep in each group and torch's do not: a setting of this run, never a checkpoint's
 _FUSED_ONLY_KEYS = ("max_grad_norm",)
 
 
-def _compact_state_option() -> Optional[str]:
-    """The name of the fused optimizers' compact-state argument, where this ampfused has one."""
+def _compact_state_option() -> Optional[Dict[str, Any]]:
+    """The fused optimizers' arguments for bfloat16 moments (what torchtitan's ``fused_opt_states_bf16`` asks
+    of torch's Adam), where this ampfused has them."""
     import inspect
     params = inspect.signature(FusedAdamW.__init__).parameters
-    return next((n for n in ("state_precision", "state_dtype") if n in params), None)
+    if "exp_avg_dtype" in params and "exp_avg_sq_dtype" in params:
+        return {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16}
+    return None
 
 
 class FusedOptimizersContainer(OptimizersContainer):
@@ -89,7 +95,7 @@ class FusedOptimizersContainer(OptimizersContainer):
                 raise ValueError("FusedOptimizersContainer: implementation='fused_opt_states_bf16' asks for "
                                  "bfloat16 optimizer states, which this ampfused's fused optimizers do not keep; "
                                  "set optimizer.implementation to 'fused'")
-            fused_kwargs[option] = "bf16"
+            fused_kwargs.update(option)
         names = sorted({pg.optimizer_name for pg in config.param_groups})
         if config.max_grad_norm is not None and len(model_parts) * len(names) > 1:
             raise ValueError(f"FusedOptimizersContainer: max_grad_norm clips by the norm of every gradient, which "
@@ -141,7 +147,10 @@ class FusedOptimizersContainer(OptimizersContainer):
                     for key in _FUSED_ONLY_KEYS:
                         flat.pop(f"param_groups.{fqn}.{key}", None)
                     for key in _TORCH_ONLY_KEYS:
-                        flat.setdefault(f"param_groups.{fqn}.{key}", torch_keys[key])
+                        if key in ("foreach", "fused"):  # what torchtitan's container would run after a resume
+                            flat[f"param_groups.{fqn}.{key}"] = torch_keys[key]
+                        else:
+                            flat.setdefault(f"param_groups.{fqn}.{key}", torch_keys[key])
         return flat
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -246,3 +255,23 @@ class FusedTrainer(Trainer):
             return super().train_step(data_iterator)
         finally:
             module.dist_utils = real
+
+
+def fused_config(config: Trainer.Config) -> "FusedTrainer.Config":
+    """An existing torchtitan recipe (a ``Trainer.Config``, e.g. ``llama3_8b()``) on the fused optimizers: every
+    setting kept, the optimizer's param groups, implementation and factory arguments carried into a
+    :class:`FusedOptimizersContainer.Config`, ``training.max_norm`` handed to it."""
+    if type(config) is not Trainer.Config:
+        raise TypeError(f"fused_config takes a torchtitan Trainer.Config, got {type(config).__qualname__}: a "
+                        "trainer with a Config of its own needs a FusedTrainer-like subclass of that trainer")
+    opt = config.optimizer
+    if not isinstance(opt, FusedOptimizersContainer.Config):
+        if type(opt) is not OptimizersContainer.Config:
+            raise TypeError(f"fused_config: the recipe's optimizer is a {type(opt).__qualname__}, not torchtitan's "
+                            "OptimizersContainer.Config")
+        opt = FusedOptimizersContainer.Config(param_groups=list(opt.param_groups), implementation=opt.implementation,
+                                              optimizer_factory_kwargs_by_name=dict(
+                                                  opt.optimizer_factory_kwargs_by_name))
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    values["optimizer"] = opt
+    return FusedTrainer.Config(**values)

@@ -82,7 +82,9 @@ def test_state_dict_has_torchs_keys_and_loads_both_ways():
     ref2 = OptimizersContainer.Config(param_groups=_groups("AdamW"), implementation="foreach").build(
         model_parts=[_model()])
     ref2.load_state_dict(fused.state_dict())
-    assert ref2.optimizers[0].param_groups[0]["foreach"] is True
+    # the implementation torchtitan's container runs after the resume is the fused container's setting ("fused")
+    assert (ref2.optimizers[0].param_groups[0]["fused"], ref2.optimizers[0].param_groups[0]["foreach"]) == (
+        True, False)
 
 
 def test_refusals_name_the_setting():
@@ -103,6 +105,23 @@ def test_bf16_states_refused_without_compact_state():
             model_parts=[_model()])
 
 
+@pytest.mark.skipif(tt._compact_state_option() is None, reason="this ampfused keeps no compact state")
+def test_bf16_states_map_to_bf16_moments():
+    """torchtitan's ``fused_opt_states_bf16`` (fp32 parameters, bf16 Adam moments) gives the fused optimizers'
+    bf16 moments, saved as bf16 under torch's keys as torchtitan's own container saves them."""
+    model = _model()
+    c = FusedOptimizersContainer.Config(param_groups=_groups("AdamW"), implementation="fused_opt_states_bf16").build(
+        model_parts=[model])
+    before = [p.detach().clone() for p in model.parameters()]
+    _backward(model)
+    c.step()
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    sd = c.state_dict()
+    assert {v.dtype for k, v in sd.items() if k.endswith((".exp_avg", ".exp_avg_sq"))} == {torch.bfloat16}
+    assert sd["param_groups.0.weight.fused"] is True
+    c.load_state_dict(sd)
+
+
 def test_trainer_config_hands_max_norm_to_the_optimizer():
     cfg = FusedTrainer.Config(optimizer=FusedOptimizersContainer.Config(param_groups=_groups("AdamW")),
                               training=TrainingConfig(max_norm=0.5))
@@ -120,3 +139,19 @@ def test_trainer_config_hands_max_norm_to_the_optimizer():
         FusedTrainer.Config(optimizer=FusedOptimizersContainer.Config(param_groups=_groups("AdamW")),
                             parallelism=ParallelismConfig(pipeline_parallel_degree=2),
                             training=TrainingConfig(disable_cuda_graphs=True))
+
+
+def test_fused_config_of_a_registry_recipe():
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    recipe = llama3_debugmodel()
+    recipe.training.max_norm = 0.75
+    cfg = tt.fused_config(recipe)
+    assert type(cfg) is FusedTrainer.Config and type(cfg)._owner is FusedTrainer  # cfg.build() -> FusedTrainer
+    assert isinstance(cfg.optimizer, FusedOptimizersContainer.Config)
+    assert cfg.optimizer.param_groups == recipe.optimizer.param_groups
+    assert cfg.optimizer.max_grad_norm == 0.75
+    assert cfg.model_spec is recipe.model_spec and cfg.lr_scheduler is recipe.lr_scheduler
+    with pytest.raises(TypeError, match="not torchtitan's OptimizersContainer.Config"):
+        recipe.optimizer = object()
+        tt.fused_config(recipe)
