@@ -9,6 +9,10 @@
   ``pytorch_lightning.Trainer``.
 * :mod:`ampfused.integrations.transformers`: ``fuse(trainer)`` after ``Trainer(...)``: the same as accelerate's
   ``fuse`` on the ``Accelerator`` the ``Trainer`` created.
+* :mod:`ampfused.integrations.torchtitan`: ``FusedOptimizersContainer`` and ``FusedTrainer``, chosen in a
+  torchtitan config (``fused_config(recipe())`` over an existing recipe): the fused optimizers own the clip
+  (``training.max_norm``), the ``grad_norm`` torchtitan logs and the skip of non-finite steps (see
+  ``docs/torchtitan.md``).
 
 Frameworks that own their parameters and gradients in flat buffers (Megatron-style or DeepSpeed-style
 optimizers) call :mod:`ampfused.ops` directly: ``norm_check`` then ``adamw_step_`` over the buffers they
