@@ -157,7 +157,7 @@ def test_closure_runs_with_grad_enabled_and_its_loss_is_returned(torch_cls):
             loss.backward()
             return loss
 
-        results.append([float(opt.step(closure)) for _ in range(3)])
+        results.append([float(opt.step(closure).detach()) for _ in range(3)])
     assert results[0] == pytest.approx(results[1], rel=1e-6)
     _same(fp, tp)
 
