@@ -7,7 +7,7 @@ graph capture check, the launch and host-time counts, the buffer of more than 2*
 benchmark. Each stage runs in its own process group with its own time limit, and the run goes on past a
 stage that fails or times out. Without a CUDA device every GPU stage is reported as skipped, with the reason.
 
-What it writes to OUT_DIR (and nothing else there; at most 6 files, so a machine that returns at most 8
+What it writes to OUT_DIR (and nothing else there; at most 7 files, so a machine that returns at most 8
 files returns all of them):
 
   summary.md      one row per stage: PASS / FAIL / SKIP / TIMEOUT, exit status, wall time, limit, the
@@ -15,6 +15,7 @@ files returns all of them):
   summary.json    the same, machine-readable, with each probe's checks and measurements
   gpu_check.log   every stage's command and its whole output (stdout and stderr), one section per stage
   bench.csv, bench.txt, bench.png   the benchmark's results (only when the benchmark ran)
+  loop.txt        the default training loop's table (python -m bench.step.loop; only when that stage ran)
 
 The summary and the log are rewritten after every stage, so a run cut short still leaves what it did.
 Exit status: 0 when no stage failed or timed out (skips allowed), 1 otherwise, 2 on a usage error.
@@ -42,7 +43,8 @@ from .tools import (FAIL, PASS, PENDING, PROBE_SKIP_EXIT, SKIP, TIMEOUT, Outcome
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SUMMARY_MD, SUMMARY_JSON, LOG = "summary.md", "summary.json", "gpu_check.log"
 BENCH_STEM = "bench"
-OUTPUT_FILES = (SUMMARY_MD, SUMMARY_JSON, LOG, f"{BENCH_STEM}.csv", f"{BENCH_STEM}.txt", f"{BENCH_STEM}.png")
+LOOP_TXT = "loop.txt"
+OUTPUT_FILES = (SUMMARY_MD, SUMMARY_JSON, LOG, f"{BENCH_STEM}.csv", f"{BENCH_STEM}.txt", f"{BENCH_STEM}.png", LOOP_TXT)
 DEFAULT_BUDGET = 575.0  # seconds: the whole run, inside one 10-minute command
 DEFAULT_WORKLOADS = "1Mx200,16Mx32,gpt2-small"
 NO_WAIT_TESTS = "tests/test_gpu_nowait.py"
@@ -80,6 +82,7 @@ STAGES: List[Stage] = [
           ("probes",)),
     Stage("big-buffer", "a gradient of 2**31 + 17 elements on each backend", 15, True, ("probes",)),
     Stage("bench", "python -m bench over reduced workloads, torch-compile left out", 30, True),
+    Stage("loop", "python -m bench.step.loop: the step inside the default training loop, torch vs ampfused", 60, True),
 ]
 STAGE_NAMES = [s.name for s in STAGES]
 
@@ -165,6 +168,8 @@ class Run:
                       "big-buffer": "big"}.get(stage.name)
         if probe_name:
             return probe + [probe_name] + dev + ["--json", self.probe_json(stage.name)], {}, ""
+        if stage.name == "loop":
+            return [py, "-m", "bench.step.loop", "--device", "cuda", "--out", os.path.join(self.out, LOOP_TXT)], {}, ""
         if stage.name == "bench":
             return probe + ["bench"] + dev + ["--out", self.out, "--name", BENCH_STEM, "--workloads", a.workloads] + \
                 (["--"] + a.bench_args if a.bench_args else []), {}, ""
@@ -240,6 +245,11 @@ class Run:
             data = self.read_probe(stage.name)
             if data:
                 o.details = {"probe": data.get("summary"), "failed_checks": _failed(data)}
+            return
+        if stage.name == "loop":
+            ok = code == 0 and os.path.isfile(os.path.join(self.out, LOOP_TXT))
+            o.status = PASS if ok else FAIL
+            o.reason = f"wrote {LOOP_TXT}" if ok else f"{_exit_words(code)}: {_last_line(text)}"
             return
         if stage.name == "bench":
             csv = os.path.join(self.out, f"{BENCH_STEM}.csv")
@@ -414,6 +424,10 @@ class Run:
         if os.path.isfile(bench_txt):
             with open(bench_txt) as f:
                 lines += ["", "## Benchmark", "", "```", f.read().rstrip(), "```"]
+        loop_txt = os.path.join(self.out, LOOP_TXT)
+        if os.path.isfile(loop_txt):
+            with open(loop_txt) as f:
+                lines += ["", "## The default training loop", "", f.read().rstrip()]
         bad = [o for o in self.outcomes if o.status in (FAIL, TIMEOUT)]
         if bad:
             lines += ["", "## What failed", ""]

@@ -22,7 +22,8 @@ class Part:
 
 PARTS: Dict[str, Part] = {
     "kernels": Part("build, info, the GPU-marked tests, no-wait, sync-debug, graph capture, launch counts, the "
-                    "2**31-element buffer and the benchmark", ("build", "info", "suite-gpu", "probes", "bench"),
+                    "2**31-element buffer, the benchmark and the default loop",
+                    ("build", "info", "suite-gpu", "probes", "bench", "loop"),
                     {"suite-gpu": 200, "bench": 120}),
     "suite": Part("build, then the rest of the suite (not GPU-marked)", ("build", "suite-rest"),
                   {"suite-rest": 500}),
