@@ -105,6 +105,15 @@ class FusedOptimizersContainer(OptimizersContainer):
         self._fused_kwargs = fused_kwargs
         self._implementation = config.implementation
         super().__init__(config, model_parts=model_parts)
+        # several optimizers (no clip): the norm of all their gradients, written after each step (a post-hook,
+        # not an override of step: torch wraps each class's step to run the hooks, which would then run twice)
+        self._norm = torch.zeros((), dtype=torch.float32, device=self.optimizers[0]._device)
+        if len(self.optimizers) > 1:
+            self.register_step_post_hook(FusedOptimizersContainer._combine_norms)
+
+    def _combine_norms(self, args=(), kwargs=None) -> None:
+        norms = torch.stack([o.last_grad_norm.to(self._norm.device) for o in self.optimizers])
+        self._norm.copy_(norms.square().sum().sqrt())
 
     # torchtitan calls these two through the instance
     def _resolve_optimizer_factory(self, name: str):
@@ -122,7 +131,7 @@ class FusedOptimizersContainer(OptimizersContainer):
     def last_grad_norm(self) -> torch.Tensor:
         """0-d fp32 device tensor: total norm of the last step's gradients, before clipping (a view that each
         step rewrites in place, so it may be taken before the step and read after it)."""
-        return self.optimizers[0].last_grad_norm
+        return self.optimizers[0].last_grad_norm if len(self.optimizers) == 1 else self._norm
 
     def skip_metrics(self) -> Dict[str, torch.Tensor]:
         """``optimizer/skipped_steps`` (steps skipped for non-finite gradients since this container was built

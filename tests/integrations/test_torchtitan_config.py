@@ -36,8 +36,14 @@ def test_builds_fused_optimizers_per_name_with_the_clip():
     (opt,) = c.optimizers
     assert type(opt) is FusedAdamW and opt.param_groups[0]["max_grad_norm"] == 0.25
     assert opt.param_groups[0]["param_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    two = FusedOptimizersContainer.Config(param_groups=_groups("Adam", "AdamW")).build(model_parts=[_model()])
+    model = _model()
+    two = FusedOptimizersContainer.Config(param_groups=_groups("Adam", "AdamW")).build(model_parts=[model])
     assert [type(o) for o in two.optimizers] == [FusedAdam, FusedAdamW]
+    _backward(model)
+    norm = two.last_grad_norm
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    two.step()
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)  # the norm of both optimizers' gradients
 
 
 def test_step_matches_torchtitans_adamw_with_its_clip():

@@ -25,7 +25,7 @@ from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 from torchtitan.components.tokenizer import BaseTokenizer
-from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.models import llama3 as tt_llama3
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.feed_forward import compute_ffn_hidden_dim
@@ -46,9 +46,12 @@ def use_cpu() -> None:
             mod.device_module = _CPU
     tt_profiler.device_module = _CPU
     tt_metrics.build_device_memory_monitor = _CpuMemory
+
+
+def keep_timeouts() -> None:
+    """torchtitan 0.3.0 shortens the groups' timeouts after the first step with ``torch.distributed.set_timeout``,
+    which torch 2.13 does not have (``train()`` fails there on any device): the barrier before it stays."""
     if not hasattr(torch.distributed, "set_timeout"):
-        # torchtitan 0.3.0 shortens the groups' timeouts after the first step with torch.distributed.set_timeout,
-        # which torch 2.13 does not have (train() fails there on any device); the barrier before it stays
         tt_dist_utils.set_pg_timeouts = lambda timeout, parallel_dims: torch.distributed.barrier()
 
 
@@ -177,10 +180,13 @@ def adamw_groups(lr: float = 3e-3) -> List[ParamGroupConfig]:
 
 
 def trainer_config(trainer_cls, optimizer, *, out: str, steps: int, max_norm: float = 1.0, grad_accum: int = 1,
-                   checkpoint_interval: int = 0, resume_from: str = "", seed: int = 0, world: int = 1):
+                   checkpoint_interval: int = 0, resume_from: str = "", seed: int = 0, world: int = 1,
+                   compile: bool = False, cuda_graphs: bool = False):
     """A ``trainer_cls.Config`` for the tiny model: local batch 2, ``grad_accum`` micro-batches per step,
     warmup-then-linear-decay schedule, log every step, DCP checkpoints every ``checkpoint_interval`` steps under
-    ``out``; ``resume_from``: a checkpoint folder (another run's ``checkpoint/step-N``) to resume from."""
+    ``out``; ``resume_from``: a checkpoint folder (another run's ``checkpoint/step-N``) to resume from;
+    ``compile``: torchtitan's compile of the model and the loss; ``cuda_graphs``: its CUDA graphs of the
+    forward/backward (GPU only)."""
     local = 2
     if resume_from:
         ckpt = CheckpointManager.Config(enable=True, load_only=True, initial_load_path=os.path.abspath(resume_from),
@@ -198,22 +204,26 @@ def trainer_config(trainer_cls, optimizer, *, out: str, steps: int, max_norm: fl
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
                                                   min_lr_factor=0.1),
         training=TrainingConfig(local_batch_size=local, global_batch_size=local * world * grad_accum,
-                                seq_len=SEQ, steps=steps, max_norm=max_norm, disable_cuda_graphs=True),
+                                seq_len=SEQ, steps=steps, max_norm=max_norm, disable_cuda_graphs=not cuda_graphs),
+        compile=CompileConfig(enable=compile, components=["model", "loss"]),
         metrics=MetricsProcessor.Config(log_freq=1),
         parallelism=ParallelismConfig(data_parallel_shard_degree=-1, spmd_backend="partial_dtensor"),
         checkpoint=ckpt,
     )
 
 
-def run_trainer(config, nan_steps=(), on_nan: str = "poison") -> Dict[str, object]:
+def run_trainer(config, nan_steps=(), on_nan: str = "poison", device: str = "cpu") -> Dict[str, object]:
     """Build ``config``'s trainer on this rank and train; returns what its metrics logger received, per step,
     and the final parameters (full tensors).
 
     ``nan_steps``: steps whose gradients hold a NaN (one element of one gradient on rank 0, put there right
     before the optimizer step, after torchtitan's clip). ``on_nan="poison"`` leaves it to the optimizer (the
     fused step skips); ``"skip"`` does not call the optimizers at those steps (what a torch run must do to skip
-    them: torch's AdamW would write NaNs), the LR schedule advancing either way."""
-    use_cpu()
+    them: torch's AdamW would write NaNs), the LR schedule advancing either way. ``device="cuda"`` leaves
+    torchtitan's own device choice."""
+    if device == "cpu":
+        use_cpu()
+    keep_timeouts()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     trainer = config.build()
