@@ -162,6 +162,8 @@ def checked_groups(opt, state_dict: dict) -> tuple:
     new_groups: List[dict] = []
     for gi, (g, s) in enumerate(zip(groups, saved_groups)):
         ng = dict(g)
+        # a key the saved group lacks (an older torch's state dict) takes the value torch's __setstate__ gives it
+        ng.update({k: v for k, v in getattr(opt, "torch_load_defaults", {}).items() if k not in s})
         ng.update({k: v for k, v in s.items() if k != "params"})
         where = f" in loaded param_groups[{gi}]"
         opt._validate_group(ng, where)

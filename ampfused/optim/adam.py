@@ -24,6 +24,9 @@ class AdamMath:
 
     state_names = ("exp_avg", "exp_avg_sq")
     decoupled = False
+    # what torch.optim.Adam.__setstate__ gives a group key that a loaded (older) state dict lacks
+    torch_load_defaults = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
+                               decoupled_weight_decay=False, fused=None)
 
     @classmethod
     def adam_defaults(cls, lr, betas, eps, weight_decay, amsgrad, maximize, differentiable, *, foreach=None,

@@ -16,6 +16,8 @@ class SgdMath:
     rules of its hyperparameters, the step op and torch.optim.SGD's state-dict layout."""
 
     state_names = ("momentum_buffer",)
+    # what torch.optim.SGD.__setstate__ gives a group key that a loaded (older) state dict lacks
+    torch_load_defaults = dict(nesterov=False, maximize=False, foreach=None, differentiable=False, fused=False)
 
     @classmethod
     def sgd_defaults(cls, lr, momentum, dampening, weight_decay, nesterov, maximize, differentiable, *,

@@ -283,3 +283,42 @@ def test_loading_a_state_dict_of_torchs_other_adam_keeps_the_weight_decay_kind_a
         run_steps(fopt, fparams, grads)
         for a, b in zip(fparams, tparams):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("torch_cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD])
+def test_can_load_older_state_dict(torch_cls):
+    """torch's test_can_load_older_state_dict: a state dict without the newer group keys (foreach, fused,
+    capturable, differentiable, decoupled_weight_decay, maximize) loads, the optimizer keeps its values for them,
+    and steps as torch's does after the same load."""
+    topt, tparams, fopt, fparams = _pair(torch_cls, KWARGS[torch_cls])
+    old = copy.deepcopy(topt.state_dict())
+    for g in old["param_groups"]:
+        for key in ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay", "maximize"):
+            g.pop(key, None)
+    t2p, f2p = ([p.detach().clone().requires_grad_() for p in tparams] for _ in range(2))
+    t2, f2 = torch_cls(t2p, **KWARGS[torch_cls]), FUSED[torch_cls](f2p, **KWARGS[torch_cls])
+    t2.load_state_dict(copy.deepcopy(old))
+    f2.load_state_dict(copy.deepcopy(old))
+    assert {k: f2.param_groups[0][k] for k in t2.param_groups[0] if k != "params"} == {
+        k: v for k, v in t2.param_groups[0].items() if k != "params"}
+    grads = grads_for(tparams, 2, torch.float32, seed=17)
+    run_steps(t2, t2p, grads)
+    run_steps(f2, f2p, grads)
+    for a, b in zip(f2p, t2p):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_named_parameters_state_dict_like_torch():
+    """torch's named-parameter groups: param_names exported and loaded, the same as torch's."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    t = torch.optim.AdamW(model.named_parameters(), lr=1e-2)
+    f = ampfused.FusedAdamW(model.named_parameters(), lr=1e-2)
+    assert f.param_groups[0]["param_names"] == t.param_groups[0]["param_names"] == ["0.weight", "0.bias",
+                                                                                    "1.weight", "1.bias"]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    f.step()
+    sd = f.state_dict()
+    assert sd["param_groups"][0]["param_names"] == t.state_dict()["param_groups"][0]["param_names"]
+    t.load_state_dict(copy.deepcopy(sd))
+    assert t.param_groups[0]["param_names"] == sd["param_groups"][0]["param_names"]
