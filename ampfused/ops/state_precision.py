@@ -144,9 +144,9 @@ def step_format(params: Sequence[Tensor], master: Optional[Tensor], states, seed
     given = [(n, s) for n, s in states if s is not None]
     compact_states = [n for n, s in given if s.dtype == torch.bfloat16]
     if compact_states and len(compact_states) != len(given):
-        (n0, s0), (n1, s1) = given[0], next((n, s) for n, s in given if s.dtype != given[0][1].dtype)
-        raise TypeError(f"{n1} must have dtype {s0.dtype} like {n0} (one step stores all its moments in one "
-                        f"precision), got {s1.dtype}")
+        other, wide = next((n, s) for n, s in given if s.dtype != torch.bfloat16)
+        raise TypeError(f"{compact_states[0]} must have dtype in ['{wide.dtype}'] like {other}, or every moment "
+                        "bfloat16 (one step stores all its moments in one precision), got torch.bfloat16")
     state_dtype = torch.bfloat16 if compact_states else None
     if compact_states and master is not None and master.dtype == torch.float64:
         raise TypeError("bfloat16 moments are computed in fp32: master must not be float64")
