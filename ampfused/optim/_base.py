@@ -497,6 +497,9 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
             self._shard_groups = _shard_groups([(0, k, p) for k, p in enumerate(
                 p for seg in self._segments for p in seg.params)])
         super().__setstate__(dict(self.__dict__))
+        for group in self.param_groups:  # pickled before the groups had torch's keys: torch's values for them
+            for key, value in getattr(self, "torch_load_defaults", {}).items():
+                group.setdefault(key, value)
         owner = weakref.ref(self)
         for g in self.param_groups:
             for p in g["params"]:

@@ -322,3 +322,19 @@ def test_named_parameters_state_dict_like_torch():
     assert sd["param_groups"][0]["param_names"] == t.state_dict()["param_groups"][0]["param_names"]
     t.load_state_dict(copy.deepcopy(sd))
     assert t.param_groups[0]["param_names"] == sd["param_groups"][0]["param_names"]
+
+
+def test_unpickled_optimizer_from_before_torchs_group_keys_gets_them():
+    """An optimizer pickled without torch's newer group keys gets torch's values for them when unpickled, as
+    torch's __setstate__ gives them (AdamW stays AdamW)."""
+    import pickle
+    for cls in FUSED.values():
+        opt = cls(make_params(torch.float32), lr=1e-2)
+        for g in opt.param_groups:
+            for key in ("foreach", "fused", "differentiable", "decoupled_weight_decay"):
+                g.pop(key, None)
+        back = pickle.loads(pickle.dumps(opt))
+        group = back.param_groups[0]
+        assert group["foreach"] is None and group["differentiable"] is False
+        if cls is not ampfused.FusedSGD:
+            assert group["decoupled_weight_decay"] is (cls is ampfused.FusedAdamW)
