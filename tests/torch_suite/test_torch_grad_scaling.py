@@ -14,7 +14,8 @@ import torch
 import ampfused
 from backends import requires_triton
 
-TORCH_OF = {ampfused.FusedSGD: torch.optim.SGD, ampfused.FusedAdamW: torch.optim.AdamW, torch.optim.SGD: torch.optim.SGD}
+TORCH_OF = {ampfused.FusedSGD: torch.optim.SGD, ampfused.FusedAdamW: torch.optim.AdamW,
+            torch.optim.SGD: torch.optim.SGD}
 OPTIMIZERS = [pytest.param(c, id=c.__name__) for c in TORCH_OF]
 INIT_SCALE, GROWTH, BACKOFF, INTERVAL = 128.0, 2.0, 0.5, 1
 SKIP_ITER = 2
