@@ -8,6 +8,7 @@ the gradients at step 3 and DCP checkpoints every three steps. The runs:
 * ``fused``: ``FusedTrainer`` + ``FusedOptimizersContainer``; the fused step skips step 3 by itself.
 * ``fused_resume``: the fused run resumed from its own step-3 checkpoint (bitwise the same as ``fused``).
 * ``fused_from_torch`` / ``torch_from_fused``: each resumed from the other's step-3 checkpoint.
+* ``fused_compiled``: ``fused_resume`` with torchtitan's compile of the model and the loss.
 * ``fused_one_rank``: the fused run's 2-rank step-3 checkpoint resumed on one rank (DCP reshards).
 """
 import math
@@ -36,12 +37,13 @@ LOSS_RTOL, PARAM_ATOL = 1e-4, 2e-5
 
 
 def _runs(rank, world, out):
-    def config(fused, name, resume_from=""):
+    def config(fused, name, resume_from="", compile=""):
         opt_cls = FusedOptimizersContainer if fused else OptimizersContainer
         return H.trainer_config(FusedTrainer if fused else Trainer,
                                 opt_cls.Config(param_groups=H.adamw_groups(2e-3), implementation="foreach"),
                                 out=os.path.join(out, name), steps=STEPS, max_norm=MAX_NORM, grad_accum=2,
-                                checkpoint_interval=0 if resume_from else CKPT, resume_from=resume_from, world=world)
+                                checkpoint_interval=0 if resume_from else CKPT, resume_from=resume_from, world=world,
+                                compile=compile)
 
     def ckpt(name):
         return os.path.join(out, name, "checkpoint", f"step-{CKPT}")
@@ -53,6 +55,9 @@ def _runs(rank, world, out):
     results["fused_resume"] = H.run_trainer(config(True, "fused_resume", ckpt("fused")))
     results["fused_from_torch"] = H.run_trainer(config(True, "fused_from_torch", ckpt("torch")))
     results["torch_from_fused"] = H.run_trainer(config(False, "torch_from_fused", ckpt("fused")))
+    # torchtitan's compile of the model and the loss (dynamo + AOT autograd; inductor's code generation is the
+    # GPU test's), resumed from the fused checkpoint
+    results["fused_compiled"] = H.run_trainer(config(True, "fused_compiled", ckpt("fused"), compile="aot_eager"))
     if rank == 0:
         save(out, rank, results)
 
@@ -126,6 +131,16 @@ def test_checkpoints_interchange_with_torchtitans_adamw(runs):
         for a, b in zip(_series(r[name], "loss_metrics/global_avg_loss"),
                         _series(r["torch"], "loss_metrics/global_avg_loss")[CKPT:]):
             assert math.isclose(a, b, rel_tol=LOSS_RTOL), (name, a, b)
+
+
+def test_compiled_model_and_loss(runs):
+    _, r = runs
+    compiled, eager = r["fused_compiled"], r["fused_resume"]
+    assert _series(compiled, "step") == list(range(CKPT + 1, STEPS + 1))
+    for key in ("loss_metrics/global_avg_loss", "grad_norm"):
+        for a, b in zip(_series(compiled, key), _series(eager, key)):
+            assert math.isclose(a, b, rel_tol=LOSS_RTOL), (key, a, b)
+    _assert_params_close(compiled["params"], eager["params"])
 
 
 def test_two_rank_checkpoint_resumes_on_one_rank(runs):

@@ -31,7 +31,7 @@ def _runs(rank, world, out):
         return H.trainer_config(FusedTrainer if fused else Trainer,
                                 opt_cls.Config(param_groups=H.adamw_groups(2e-3)),
                                 out=os.path.join(out, name), steps=STEPS, max_norm=0.5, grad_accum=2, world=world,
-                                compile=True, cuda_graphs=True)
+                                compile="inductor", cuda_graphs=True)
 
     results = {"torch": H.run_trainer(config(False, "torch"), nan_steps=(NAN_STEP,), on_nan="skip", device="cuda"),
                "fused": H.run_trainer(config(True, "fused"), nan_steps=(NAN_STEP,), device="cuda")}

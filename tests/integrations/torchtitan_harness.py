@@ -9,6 +9,7 @@ FSDP2 (torchtitan's ``parallelize_llama``), gradient accumulation, the LR schedu
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Dict, List
 
@@ -23,7 +24,7 @@ from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
+from torchtitan.components.optimizer import LRSchedulersContainer, ParamGroupConfig
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.models import llama3 as tt_llama3
@@ -31,7 +32,7 @@ from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.feed_forward import compute_ffn_hidden_dim
 from torchtitan.models.common import Embedding, Linear, RMSNorm
 from torchtitan.models.common import ComplexRoPE
-from torchtitan.trainer import Trainer
+import torchtitan.trainer as tt_trainer
 
 VOCAB = 64
 SEQ = 16
@@ -46,6 +47,18 @@ def use_cpu() -> None:
             mod.device_module = _CPU
     tt_profiler.device_module = _CPU
     tt_metrics.build_device_memory_monitor = _CpuMemory
+
+
+class _NoSleep:
+    """The ``time`` module without ``sleep``: rank 0 sleeps 2 s at the end of ``Trainer.train()`` "for other ranks
+    to complete", which a test of several short runs need not wait for (the harness joins the ranks itself)."""
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds) -> None:
+        pass
 
 
 def keep_timeouts() -> None:
@@ -181,11 +194,12 @@ def adamw_groups(lr: float = 3e-3) -> List[ParamGroupConfig]:
 
 def trainer_config(trainer_cls, optimizer, *, out: str, steps: int, max_norm: float = 1.0, grad_accum: int = 1,
                    checkpoint_interval: int = 0, resume_from: str = "", seed: int = 0, world: int = 1,
-                   compile: bool = False, cuda_graphs: bool = False):
+                   compile: str = "", cuda_graphs: bool = False):
     """A ``trainer_cls.Config`` for the tiny model: local batch 2, ``grad_accum`` micro-batches per step,
     warmup-then-linear-decay schedule, log every step, DCP checkpoints every ``checkpoint_interval`` steps under
     ``out``; ``resume_from``: a checkpoint folder (another run's ``checkpoint/step-N``) to resume from;
-    ``compile``: torchtitan's compile of the model and the loss; ``cuda_graphs``: its CUDA graphs of the
+    ``compile``: torchtitan's compile of the model and the loss with that backend (``"inductor"``,
+    ``"aot_eager"``); ``cuda_graphs``: its CUDA graphs of the
     forward/backward (GPU only)."""
     local = 2
     if resume_from:
@@ -205,7 +219,7 @@ def trainer_config(trainer_cls, optimizer, *, out: str, steps: int, max_norm: fl
                                                   min_lr_factor=0.1),
         training=TrainingConfig(local_batch_size=local, global_batch_size=local * world * grad_accum,
                                 seq_len=SEQ, steps=steps, max_norm=max_norm, disable_cuda_graphs=not cuda_graphs),
-        compile=CompileConfig(enable=compile, components=["model", "loss"]),
+        compile=CompileConfig(enable=bool(compile), components=["model", "loss"], backend=compile or "inductor"),
         metrics=MetricsProcessor.Config(log_freq=1),
         parallelism=ParallelismConfig(data_parallel_shard_degree=-1, spmd_backend="partial_dtensor"),
         checkpoint=ckpt,
@@ -224,6 +238,7 @@ def run_trainer(config, nan_steps=(), on_nan: str = "poison", device: str = "cpu
     if device == "cpu":
         use_cpu()
     keep_timeouts()
+    tt_trainer.time = _NoSleep()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     trainer = config.build()
