@@ -161,3 +161,43 @@ def test_fused_config_of_a_registry_recipe():
     with pytest.raises(TypeError, match="not torchtitan's OptimizersContainer.Config"):
         recipe.optimizer = object()
         tt.fused_config(recipe)
+
+
+class _TrainerStandIn:
+    """What the folded clip reads of a FusedTrainer: its optimizers."""
+
+    def __init__(self, optimizers):
+        self.optimizers = optimizers
+
+
+def test_folded_clip_returns_the_steps_norm_without_a_pass():
+    import torchtitan.distributed.utils as dist_utils
+
+    model = _model()
+    c = FusedOptimizersContainer.Config(param_groups=_groups("AdamW"), max_grad_norm=0.5).build(model_parts=[model])
+    utils = tt._FoldedClipUtils(dist_utils, _TrainerStandIn(c))
+    assert utils.dist_max is dist_utils.dist_max  # everything but the clip is torchtitan's
+    _backward(model)
+    grads = [p.grad.clone() for p in model.parameters()]
+    expected = torch.nn.utils.get_total_norm(grads)
+    norm = utils.clip_grad_norm_(list(model.parameters()), 0.5, foreach=True, pp_mesh=None, ep_enabled=False)
+    # nothing measured or scaled yet: the gradients are untouched, the norm is the step's own device tensor
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert norm.data_ptr() == c.optimizers[0].last_grad_norm.data_ptr()
+    c.step()
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    with pytest.raises(RuntimeError, match="training.max_norm is 2.0 but the fused optimizers clip to"):
+        utils.clip_grad_norm_(list(model.parameters()), 2.0)
+    with pytest.raises(RuntimeError, match="pipeline stages=True"):
+        utils.clip_grad_norm_(list(model.parameters()), 0.5, pp_mesh=object())
+
+
+def test_train_step_reads_dist_utils_of_the_trainer_module():
+    import torchtitan.trainer
+
+    assert tt._train_step_module(FusedTrainer) is torchtitan.trainer
+
+    class MyTrainer(FusedTrainer):
+        pass
+
+    assert tt._train_step_module(MyTrainer) is torchtitan.trainer

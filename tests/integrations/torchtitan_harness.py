@@ -272,4 +272,4 @@ def run_trainer(config, nan_steps=(), on_nan: str = "poison", device: str = "cpu
                   for n, p in trainer.model_parts[0].named_parameters()}
     finally:
         trainer.close()
-    return {"logged": logged, "params": params}
+    return {"logged": logged, "params": params, "dist_utils_restored": tt_trainer.dist_utils is tt_dist_utils}
