@@ -215,6 +215,13 @@ def _train_step_module(cls) -> Any:
     return sys.modules[Trainer.__module__]
 
 
+def _hand_over_max_norm(config) -> None:
+    """``training.max_norm`` becomes the fused optimizers' ``max_grad_norm`` (inf: no clip); the trainer's setting
+    wins, as torchtitan's own clip reads it."""
+    max_norm = config.training.max_norm
+    config.optimizer.max_grad_norm = None if max_norm is None or math.isinf(float(max_norm)) else float(max_norm)
+
+
 class FusedTrainer(Trainer):
     """torchtitan's ``Trainer`` with the clip, the reported norm and the skip owned by the fused optimizers.
 
@@ -229,18 +236,13 @@ class FusedTrainer(Trainer):
             if not isinstance(self.optimizer, FusedOptimizersContainer.Config):
                 raise TypeError("FusedTrainer.Config: optimizer must be a FusedOptimizersContainer.Config, got "
                                 f"{type(self.optimizer).__qualname__}")
-            max_norm = self.training.max_norm
-            max_norm = None if max_norm is None or math.isinf(float(max_norm)) else float(max_norm)
-            given = self.optimizer.max_grad_norm
-            if given is not None and given != max_norm:
-                raise ValueError(f"FusedTrainer.Config: optimizer.max_grad_norm={given} and training.max_norm="
-                                 f"{self.training.max_norm} disagree; set training.max_norm only")
-            self.optimizer.max_grad_norm = max_norm
             if self.parallelism.pipeline_parallel_degree > 1:
                 raise ValueError("FusedTrainer.Config: pipeline_parallel_degree > 1 is not supported (the fused "
                                  "clip measures one optimizer's gradients; each stage would clip alone)")
+            _hand_over_max_norm(self)
 
     def __init__(self, config: Config):
+        _hand_over_max_norm(config)  # again: command-line overrides may have changed training.max_norm since
         super().__init__(config)
         if self.parallel_dims.ep_enabled:
             raise ValueError("FusedTrainer: expert parallelism is not supported (torchtitan clips expert and "

@@ -137,10 +137,14 @@ def test_trainer_config_hands_max_norm_to_the_optimizer():
     assert cfg.optimizer.max_grad_norm is None
     with pytest.raises(TypeError, match="optimizer must be a FusedOptimizersContainer.Config"):
         FusedTrainer.Config(optimizer=OptimizersContainer.Config(param_groups=_groups("AdamW")))
-    with pytest.raises(ValueError, match="optimizer.max_grad_norm=2.0 and training.max_norm=0.5 disagree"):
-        FusedTrainer.Config(optimizer=FusedOptimizersContainer.Config(param_groups=_groups("AdamW"),
-                                                                      max_grad_norm=2.0),
-                            training=TrainingConfig(max_norm=0.5))
+    # training.max_norm is the setting (as for torchtitan's own clip), also where the optimizer's says otherwise
+    cfg = FusedTrainer.Config(optimizer=FusedOptimizersContainer.Config(param_groups=_groups("AdamW"),
+                                                                        max_grad_norm=2.0),
+                              training=TrainingConfig(max_norm=0.5))
+    assert cfg.optimizer.max_grad_norm == 0.5
+    cfg.training.max_norm = 0.25  # a command-line override after the config was built
+    tt._hand_over_max_norm(cfg)  # (what FusedTrainer.__init__ does first)
+    assert cfg.optimizer.max_grad_norm == 0.25
     with pytest.raises(ValueError, match="pipeline_parallel_degree"):
         FusedTrainer.Config(optimizer=FusedOptimizersContainer.Config(param_groups=_groups("AdamW")),
                             parallelism=ParallelismConfig(pipeline_parallel_degree=2),
@@ -201,3 +205,20 @@ def test_train_step_reads_dist_utils_of_the_trainer_module():
         pass
 
     assert tt._train_step_module(MyTrainer) is torchtitan.trainer
+
+
+def test_selected_from_torchtitans_command_line(tmp_path, monkeypatch):
+    """``torchtitan.train``'s ConfigManager: a recipe module of the user's (``--module``/``--config``), with
+    command-line overrides of torchtitan's and of ampfused's settings."""
+    from torchtitan.config import ConfigManager
+
+    (tmp_path / "fused_recipes.py").write_text(
+        "from torchtitan.models.llama3.config_registry import llama3_debugmodel\n"
+        "from ampfused.integrations.torchtitan import fused_config\n\n"
+        "def llama3_debugmodel_fused():\n"
+        "    return fused_config(llama3_debugmodel())\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = ConfigManager().parse_args(["--module", "fused_recipes", "--config", "llama3_debugmodel_fused",
+                                      "--training.max_norm", "2.5", "--optimizer.backend", "reference"])
+    assert type(cfg)._owner is FusedTrainer  # torchtitan.train's config.build() builds a FusedTrainer
+    assert (cfg.optimizer.max_grad_norm, cfg.optimizer.backend) == (2.5, "reference")
