@@ -351,5 +351,9 @@ setup(
                                      "safetensors==0.8.0",
                                      # needs torch >= 2.11 (through torch_checkpointing); brings its own pins
                                      # (spmd_types, datasets < 4.8, which holds huggingface_hub < 2)
-                                     "torchtitan==0.3.0"]},
+                                     "torchtitan==0.3.0"],
+                    # other libraries' low-precision AdamW for `python -m bench --peers` / `python -m bench.align
+                    # --modes`; each accepts the installed torch (torchao and torch-optimi declare no torch pin or
+                    # torch>=2.2, flashoptim torch>=2.6 and triton), and none is needed by the package or its tests
+                    "peers": ["torchao==0.18.0", "torch-optimi==0.3.3", "flashoptim==0.1.4"]},
 )

@@ -83,6 +83,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="file stem (default align-<device>)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a bar fails or the control is not bitwise")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--modes", action="store_true",
+                   help="instead of the seven runs: ampfused's compact state modes (and the installed peers' "
+                        "low-precision AdamW) against its fp32-master run (bench/align/modes.py); writes "
+                        "<out>/align-modes-<device>.{csv,txt}")
+    p.add_argument("--no-peers", action="store_true", help="with --modes: leave the other libraries out")
     return p
 
 
@@ -177,6 +182,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit(f"--steps {cfg.steps}: needs at least two windows of --window {cfg.window} steps")
     if cfg.width % cfg.heads:
         raise SystemExit(f"--width {cfg.width} is not a multiple of --heads {cfg.heads}")
+    if args.modes:
+        from . import modes
+        return modes.main(args, device, args.name or "align-modes-" + envmod.device_stem(device), args.out)
     fp16_compute = T.fp16_compute_dtype(device, args.fp16_compute)
     out = execute(cfg, device, fp16_compute, log=lambda s: print(s, flush=True))
     print("\n".join(out.text.split("\n")[out.head_lines:]))

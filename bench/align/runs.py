@@ -35,6 +35,8 @@ DTYPE = {"fp32": torch.float32, "torch": torch.bfloat16, "torch-again": torch.bf
          "torch-foreach": torch.bfloat16, "ampfused": torch.bfloat16, "torch-fp16": torch.float16,
          "ampfused-fp16": torch.float16, "torch-rounded-norm": torch.bfloat16,
          "torch-fp16-rounded-norm": torch.float16}
+# more runs by name: (model dtype, factory(model, cfg, device) -> trainer), e.g. the state modes (bench/align/modes.py)
+EXTRA: dict = {}
 SNAPSHOTS = 3  # masters and model weights are kept after optimizer steps 1..SNAPSHOTS
 
 
@@ -138,6 +140,8 @@ class _Fused:
 
 
 def _trainer(name: str, model, cfg: M.Config, device: torch.device):
+    if name in EXTRA:
+        return EXTRA[name][1](model, cfg, device)
     scaler_kw = dict(init_scale=cfg.init_scale, growth_interval=cfg.growth_interval)
     if name in ("fp32", "torch", "torch-again"):
         return _Recipe(model, cfg, "fused", None)
@@ -167,7 +171,7 @@ def fp16_compute_dtype(device: torch.device, choice: str = "auto") -> torch.dtyp
 def train(name: str, cfg: M.Config, data: Tensor, offsets: Tensor, state: dict, device: torch.device,
           fp16_compute: torch.dtype, progress: Optional[Callable[[str, int], None]] = None) -> Run:
     """``cfg.steps`` optimizer steps of run ``name`` on the shared data order from the shared initial weights."""
-    dtype = DTYPE[name]
+    dtype = EXTRA[name][0] if name in EXTRA else DTYPE[name]
     model = M.build(cfg, state, dtype, fp16_compute if dtype == torch.float16 else dtype, device)
     trainer = _trainer(name, model, cfg, device)
     scaler = getattr(trainer, "scaler", None)

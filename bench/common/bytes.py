@@ -29,6 +29,24 @@ On CPUs the copy pays a hidden write-allocate read of ``dst`` that a step, whose
 read-modify-write of the same lines, mostly does not; there a step can exceed 100% of ``copy_gbps``, and the
 read-modify-write figure is the stricter yardstick (shown next to it in the table).
 
+**Compact state modes** (docs/state-precision.md) move fewer bytes because they keep less: the same count with
+each stream at its stored width (``mode_bytes_per_param``), bf16 gradients and model:
+
+================================  ======  =======================  ============  ===========  =====
+mode (bench variant suffix)        grad    weights (read + write)   moments       model write  total
+================================  ======  =======================  ============  ===========  =====
+fp32 master (no suffix)            2       master 4 + 4             4 x 4         2            28
+``+rem`` remainders                2       weight 2 + 2, rem 2 + 2  4 x 4         (it is)      26
+``+bf16m`` bf16 moments            2       master 4 + 4             4 x 2         2            20
+``+rem+bf16m``                     2       weight 2 + 2, rem 2 + 2  4 x 2         (it is)      18
+``+sr`` no master                  2       weight 2 + 2             4 x 4         (it is)      22
+``+sr+bf16m``                      2       weight 2 + 2             4 x 2         (it is)      14
+================================  ======  =======================  ============  ===========  =====
+
+The same counts apply to other libraries' optimizers in the same formats (torchao's and optimi's bf16
+stochastic-rounding AdamW: 14; optimi's Kahan sum adds a bf16 compensation read and written: 18; 8-bit
+block-wise moments: 2 x (1 + 1) plus the per-block scales, 4-bit half that).
+
 For comparison, torch's recipe with an fp32 master moves about 112 B/param with ``AdamW(foreach=True)`` and
 about 60 with ``fused=True`` (see the design notes); those are estimates, not part of the yardstick.
 """
@@ -47,6 +65,32 @@ def minimal_bytes_per_param(grad_dtype: torch.dtype, param_dtype: torch.dtype, m
     if master:
         return g + 2 * FP32 + states + p  # read grad, read+write master, states, write the rounded param
     return g + 2 * p + states  # read grad, read+write param, states
+
+
+MASTER_KINDS = ("fp32", "remainder", "none")
+
+
+def mode_bytes_per_param(grad_dtype: torch.dtype, param_dtype: torch.dtype, master: str = "fp32",
+                         moment_bytes: float = FP32, extra_bytes: float = 0.0) -> float:
+    """Least bytes per parameter a step in a state mode must move, gradients read once (table above).
+
+    ``master``: ``"fp32"`` (a separate fp32 master, or the fp32 parameter itself), ``"remainder"`` (the weight
+    plus a 16-bit remainder, both read and written) or ``"none"`` (the weight is the only copy);
+    ``moment_bytes``: stored bytes of each moment element (4 fp32, 2 bf16, 1 8-bit, 0.5 4-bit; per-block
+    scales included by the caller as a fraction); ``extra_bytes``: any other state read and written once per
+    element (stored width, e.g. 2 for a bf16 Kahan compensation)."""
+    if master not in MASTER_KINDS:
+        raise ValueError(f"master must be one of {MASTER_KINDS}, got {master!r}")
+    g = torch.empty((), dtype=grad_dtype).element_size()
+    p = torch.empty((), dtype=param_dtype).element_size()
+    moments = 2 * 2 * moment_bytes  # exp_avg and exp_avg_sq, each read and written
+    if master == "fp32":
+        return minimal_bytes_per_param(grad_dtype, param_dtype, param_dtype != torch.float32) - 4 * FP32 + moments \
+            + 2 * extra_bytes
+    if param_dtype == torch.float32:
+        raise ValueError(f"master={master!r} applies to 16-bit parameters, not fp32 ones")
+    weights = 2 * p + (2 * 2 if master == "remainder" else 0)  # the weight (and its remainder) read + written
+    return g + weights + moments + 2 * extra_bytes
 
 
 def two_pass_bytes_per_param(grad_dtype: torch.dtype, param_dtype: torch.dtype, master: bool) -> int:

@@ -33,7 +33,8 @@ def _inv_scale(scale: Tensor, out: Tensor) -> None:
 
 
 class OptimizerRunner(Runner):
-    def __init__(self, variant: str, backend: str, inst: Instance, params: List[Tensor], grads_to_none=False):
+    def __init__(self, variant: str, backend: str, inst: Instance, params: List[Tensor], grads_to_none=False,
+                 opt_kwargs: Optional[dict] = None):
         super().__init__(variant, backend)
         self.inst = inst
         self.grads_to_none = grads_to_none
@@ -43,7 +44,7 @@ class OptimizerRunner(Runner):
         self.opt = ampfused.FusedAdamW(self.model, lr=inst.lr, betas=inst.betas, eps=inst.eps,
                                        weight_decay=inst.weight_decay,
                                        max_grad_norm=inst.max_norm if inst.clip else None,
-                                       master_weights=None, backend=backend)
+                                       master_weights=None, backend=backend, **(opt_kwargs or {}))
         self._grads = [p.grad for p in self.model]
         self.scaler = None
         self._scale: Optional[Tensor] = None
@@ -87,9 +88,12 @@ class OptimizerRunner(Runner):
         else:
             scale = float(self._scale) if self._scale is not None else None
         return Snapshot(param=[p.detach() for p in self.model],
-                        master=[s["master_param"] for s in st] if self.inst.master else None,
+                        master=[s["master_param"] for s in st] if self.inst.master and "master_param" in st[0] else None,
                         exp_avg=[s["exp_avg"] for s in st], exp_avg_sq=[s["exp_avg_sq"] for s in st],
                         scale=scale, norm=self.opt.last_grad_norm)
+
+    def state_tensors(self) -> List[Tensor]:
+        return [t for s in self.opt.state.values() for t in s.values() if isinstance(t, Tensor)]
 
     def tensors(self) -> List[Tensor]:
         out = [p.detach() for p in self.model] + [p.grad for p in self.model if p.grad is not None]
@@ -146,6 +150,9 @@ class FunctionalRunner(Runner):
                         master=self._views(self.master) if self.master is not None else None,
                         exp_avg=self._views(self.exp_avg), exp_avg_sq=self._views(self.exp_avg_sq),
                         scale=float(self.scale) if self.inst.scaler else None, norm=self.out_stats[0])
+
+    def state_tensors(self) -> List[Tensor]:
+        return [self.exp_avg, self.exp_avg_sq, self.step_t] + ([self.master] if self.master is not None else [])
 
     def tensors(self) -> List[Tensor]:
         out = [self.param, self.grad, self.exp_avg, self.exp_avg_sq, self.step_t, self.lr, self.out_stats,

@@ -13,7 +13,7 @@ from ..common import env as envmod
 from ..common import measure
 from ..common.env import RESULTS
 from . import report, workloads
-from .ampfused_variant import ampfused_variants
+from .ampfused_variant import ampfused_backends, ampfused_variants
 from .check import MAX_ELEMENTS, CorrectnessError
 from .runner import Options, run
 from .variants import select, torch_variants
@@ -73,6 +73,14 @@ def parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     p.add_argument("--variants", type=_csv_list, default=None,
                    help="comma list (all by default: torch-foreach, torch-fused, torch-compile, ampfused-<backend> for "
                         "every backend available on the device)")
+    p.add_argument("--modes", action="store_true",
+                   help="add ampfused's compact state modes on the first fast backend: +rem (remainders), +bf16m "
+                        "(bf16 moments), +rem+bf16m, +sr (no master, stochastic rounding), +sr+bf16m "
+                        "(bench/step/modes.py; naming one in --variants adds it too)")
+    p.add_argument("--peers", action="store_true",
+                   help="add other libraries' low-precision AdamW where installed (pip install '.[peers]'): "
+                        "torchao-adamw-sr, torchao-adamw8bit, torchao-adamw4bit, optimi-adamw, optimi-adamw-kahan, "
+                        "flashoptim-adamw (bench/step/peers.py); absent ones are reported with the reason")
     p.add_argument("--ampfused-api", choices=["auto", "optimizer", "functional"], default="auto",
                    help="drive ampfused through FusedAdamW (auto: when importable) or the functional ops")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps before timing")
@@ -144,7 +152,19 @@ def compile_only(device: torch.device, args, workload_names: List[str]) -> Optio
     return "gpt2-small" if "gpt2-small" in workload_names else workload_names[0]
 
 
-_SWEEP_ONLY = ("workloads", "full", "dtypes", "clip", "no_scaler", "variants", "compare", "copy_mb", "compile_budget")
+def extra_variants(device: torch.device, args) -> list:
+    """The state modes (--modes) and the peers (--peers), and any of them named in --variants."""
+    from .modes import mode_variants
+    from .peers import peer_variants
+    names = args.variants or []
+    modes = mode_variants(device, [b for b in ampfused_backends(device) if b != "reference"] +
+                          (["reference"] if any(n.startswith("ampfused-reference+") for n in names) else []), names)
+    peers = peer_variants()
+    out = [v for v in modes if args.modes or v.name in names]
+    return out + [v for v in peers if args.peers or v.name in names]
+
+
+_SWEEP_ONLY = ("workloads", "modes", "peers", "full", "dtypes", "clip", "no_scaler", "variants", "compare", "copy_mb", "compile_budget")
 
 
 def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int:
@@ -169,7 +189,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
     instances = _plan(args, device)
     variants = select(torch_variants(args.compile_budget or d["compile_budget"],
                                      compile_only(device, args, [i.workload.name for i in instances]))
-                      + ampfused_variants(device, args.ampfused_api, args.variants), args.variants)
+                      + ampfused_variants(device, args.ampfused_api, args.variants)
+                      + extra_variants(device, args), args.variants)
     env = envmod.describe(device)
     # rows carry no scaler column: a run without one gets its own file rather than overwrite the default's
     stem = args.name or envmod.device_stem(device) + ("-noscaler" if args.no_scaler else "")

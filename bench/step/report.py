@@ -9,8 +9,8 @@ from ..common.csv_rows import NA, write_rows
 COLUMNS = ["device", "torch", "triton", "git_sha", "workload", "numel", "tensors", "grad_dtype", "param_dtype",
            "clip", "variant", "backend", "median_ms", "p20_ms", "p80_ms", "gbps_effective", "copy_gbps",
            "pct_of_copy_bw", "speedup_vs_torch_fused", "speedup_vs_torch_foreach", "host_syncs", "launches",
-           "peak_mem_mb", "rmw_gbps", "host_ms", "pct_of_rmw_bw"]
-OPTIONAL = ("rmw_gbps", "host_ms", "pct_of_rmw_bw")  # columns that runs of older versions lack
+           "peak_mem_mb", "rmw_gbps", "host_ms", "pct_of_rmw_bw", "state_bytes_per_param", "bytes_per_param"]
+OPTIONAL = ("rmw_gbps", "host_ms", "pct_of_rmw_bw", "state_bytes_per_param", "bytes_per_param")  # columns that runs of older versions lack
 TORCH_VARIANTS = ("torch-foreach", "torch-fused", "torch-compile")
 
 
@@ -68,6 +68,11 @@ def _host_cell(row: dict) -> str:
     return NA if host is None else f"{host:.3f}"
 
 
+def _state_cell(row: dict) -> str:
+    x = _num(row.get("state_bytes_per_param", NA))
+    return NA if x is None else f"{x:.2f}"
+
+
 def pct_of_rmw(row: dict) -> Optional[float]:
     """The row's effective bandwidth as a percentage of the in-place read-modify-write bandwidth measured with
     it (None: not measured); older CSVs have no such column, only the run's bandwidth."""
@@ -87,7 +92,7 @@ def bandwidth_range(rows: List[dict], column: str) -> Optional[tuple]:
 def table(rows: List[dict]) -> str:
     """A fixed-width table of the results, grouped by workload, dtype and clip."""
     head = ["workload", "grad", "clip", "variant", "median ms", "p20-p80 ms", "host ms", "Mparam/s", "GB/s", "% copy",
-            "% rmw", "x fused", "x foreach", "x best torch", "launches", "syncs", "peak MB"]
+            "% rmw", "x fused", "x foreach", "x best torch", "state B/p", "moved B/p", "launches", "syncs", "peak MB"]
     body = []
     for r in rows:
         best = best_torch_speedup(rows, r)
@@ -97,7 +102,11 @@ def table(rows: List[dict]) -> str:
                      f"{float(r['p20_ms']):.3f}-{float(r['p80_ms']):.3f}", _host_cell(r),
                      f"{int(r['numel']) / float(r['median_ms']) / 1e3:.4g}", r["gbps_effective"],
                      r["pct_of_copy_bw"], rmw, r["speedup_vs_torch_fused"], r["speedup_vs_torch_foreach"],
-                     NA if best is None else f"{best:.2f}", r["launches"], r["host_syncs"], r["peak_mem_mb"]])
+                     NA if best is None else f"{best:.2f}", _state_cell(r), r.get("bytes_per_param", NA) or NA,
+                     r["launches"], r["host_syncs"], r["peak_mem_mb"]])
+    if all(_num(r.get("state_bytes_per_param", NA)) is None for r in rows):  # CSVs of older versions
+        keep = [k for k, h in enumerate(head) if h not in ("state B/p", "moved B/p")]
+        head, body = [head[k] for k in keep], [[b[k] for k in keep] for b in body]
     if all(_num(r.get("host_ms", NA)) is None for r in rows):  # (host-timed devices: the step's time is host time)
         keep = [k for k, h in enumerate(head) if h != "host ms"]
         head, body = [head[k] for k in keep], [[b[k] for k in keep] for b in body]
@@ -125,7 +134,10 @@ def summary(rows: List[dict], device: str, notes: List[str]) -> str:
            table(rows) if rows else "(no measurements)"]
     if notes:
         out += ["", "notes:"] + [f"  {n}" for n in notes]
-    out += ["", "GB/s counts the minimal bytes of a step (bench/common/bytes.py: 28 B/param, gradients read once); % copy "
+    out += ["", "GB/s counts the minimal bytes of each variant's step (moved B/p: bench/common/bytes.py, 28 B/param for fp32 "
+            "masters and moments, fewer in the compact state modes, gradients read once); state B/p is measured: the "
+            "storages of the optimizer state the variant keeps between steps (masters, moments, remainders) per "
+            "parameter; % copy "
             "is against copy_ (the CSV's pct_of_copy_bw), % rmw against the in-place read-modify-write bandwidth, "
             "which a CPU's copy_ understates by its write-allocate reads; both against the median of the row's own "
             "samples, taken right before and after its timed steps (bench/common/measure.py: Yardstick); above 100% "

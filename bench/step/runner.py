@@ -9,7 +9,6 @@ from typing import List, Optional
 import torch
 
 from ..common import measure
-from ..common.bytes import minimal_bytes
 from .check import MAX_ELEMENTS, CorrectnessError, check, make_plan, run_reference
 from .report import NA, fill_speedups
 from .variants import TorchCompile, Unavailable, Variant
@@ -39,10 +38,27 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _leaves(t) -> List[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: itself, or a tensor subclass's inner tensors (quantized states)."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [x for n in names for x in _leaves(getattr(t, n))]
+
+
+def state_bytes_per_param(runner, numel: int) -> Optional[float]:
+    """Bytes of the distinct storages behind the runner's optimizer state, per parameter (None: not known)."""
+    tensors = runner.state_tensors()
+    if tensors is None:
+        return None
+    return measure.storage_bytes([x for t in tensors for x in _leaves(t)]) / numel
+
+
 def _row(env: dict, inst: Instance, v: Variant, timing: measure.Timing, prof: measure.StepProfile,
-         persistent: int) -> dict:
+         persistent: int, state_bpp: Optional[float]) -> dict:
     wl = inst.workload
-    gbps = minimal_bytes(wl.numel, inst.grad_dtype, inst.param_dtype, inst.master) / (timing.median / 1e3) / 1e9
+    bpp = v.bytes_per_param(inst)
+    gbps = wl.numel * bpp / (timing.median / 1e3) / 1e9
     peak = NA if prof.transient_bytes is None else f"{(persistent + prof.transient_bytes) / 1e6:.1f}"
     return dict(env, workload=wl.name, numel=wl.numel, tensors=wl.tensors,
                 grad_dtype=DTYPE_NAMES[inst.grad_dtype], param_dtype=DTYPE_NAMES[inst.param_dtype],
@@ -52,12 +68,12 @@ def _row(env: dict, inst: Instance, v: Variant, timing: measure.Timing, prof: me
                 gbps_effective=f"{gbps:.4g}",
                 host_syncs=NA if prof.host_syncs is None else prof.host_syncs,
                 launches=NA if prof.launches is None else prof.launches, peak_mem_mb=peak,
+                state_bytes_per_param=NA if state_bpp is None else f"{state_bpp:.3f}", bytes_per_param=f"{bpp:g}",
                 copy_gbps=NA, rmw_gbps=NA, pct_of_copy_bw=NA, pct_of_rmw_bw=NA)
 
 
-def _bandwidth_columns(inst: Instance, timing: measure.Timing, bw: measure.Bandwidth) -> dict:
-    wl = inst.workload
-    nbytes = minimal_bytes(wl.numel, inst.grad_dtype, inst.param_dtype, inst.master)
+def _bandwidth_columns(inst: Instance, v: Variant, timing: measure.Timing, bw: measure.Bandwidth) -> dict:
+    nbytes = inst.workload.numel * v.bytes_per_param(inst)
     return dict(copy_gbps=f"{statistics.median(bw.copy):.4g}", rmw_gbps=f"{statistics.median(bw.rmw):.4g}",
                 pct_of_copy_bw=f"{bw.pct('copy', nbytes, timing):.4g}",
                 pct_of_rmw_bw=f"{bw.pct('rmw', nbytes, timing):.4g}")
@@ -115,7 +131,8 @@ def _measure_one(inst, v, params, plan, expected, env, opts, rows, say) -> None:
     cuda = inst.device.type == "cuda"
     baseline = torch.cuda.memory_allocated(inst.device) if cuda else 0
     runner = v.build(inst, params)
-    check(runner, inst, plan, expected)  # raises before anything is timed
+    checker = getattr(v, "check_runner", None) or check
+    checker(runner, inst, plan, expected)  # raises before anything is timed
     grads = plan.timing_grads
 
     def refill():
@@ -130,10 +147,11 @@ def _measure_one(inst, v, params, plan, expected, env, opts, rows, say) -> None:
     # elsewhere the storages behind its tensors
     persistent = (torch.cuda.memory_allocated(inst.device) - baseline if cuda
                   else measure.storage_bytes(runner.tensors()))
+    state_bpp = state_bytes_per_param(runner, inst.workload.numel)
     prof = measure.profile_step(runner.step, refill, inst.device, compiled=isinstance(v, TorchCompile))
-    row = _row(env, inst, v, timing, prof, persistent)
+    row = _row(env, inst, v, timing, prof, persistent, state_bpp)
     if bandwidth is not None:
-        row.update(_bandwidth_columns(inst, timing, bandwidth))
+        row.update(_bandwidth_columns(inst, v, timing, bandwidth))
     rows.append(row)
     for n in runner.notes:
         say(f"{v.name} on {inst.label()}: {n}")

@@ -25,6 +25,7 @@ from typing import Callable, List, Optional
 import torch
 from torch import Tensor, nn
 
+from ..common.bytes import minimal_bytes_per_param
 from .workloads import Instance
 
 
@@ -67,6 +68,11 @@ class Runner:
     def tensors(self) -> List[Tensor]:
         raise NotImplementedError
 
+    def state_tensors(self) -> Optional[List[Tensor]]:
+        """The optimizer state it keeps between steps beyond the model's weights and gradients (masters,
+        moments, remainders, step counts), for the state-bytes column; None where not known."""
+        return None
+
 
 class Variant:
     """A named way to run the step; ``build`` raises :class:`Unavailable` with the reason when it cannot."""
@@ -79,6 +85,10 @@ class Variant:
 
     def build(self, inst: Instance, params: List[Tensor]) -> Runner:
         raise NotImplementedError
+
+    def bytes_per_param(self, inst: Instance) -> float:
+        """The least bytes per parameter its step must move (bench/common/bytes.py); modes override it."""
+        return minimal_bytes_per_param(inst.grad_dtype, inst.param_dtype, inst.master)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -142,6 +152,10 @@ class TorchRecipe(Runner):
                         master=[p.detach() for p in self.master] if self.inst.master else None,
                         exp_avg=[s["exp_avg"] for s in st], exp_avg_sq=[s["exp_avg_sq"] for s in st],
                         scale=self.scaler.get_scale() if self.scaler is not None else None, norm=self.norm)
+
+    def state_tensors(self) -> List[Tensor]:
+        masters = [p.detach() for p in self.master] if self.inst.master else []
+        return masters + [t for s in self.opt.state.values() for t in s.values() if isinstance(t, Tensor)]
 
     def tensors(self) -> List[Tensor]:
         out = [p.detach() for p in self.model] + self._model_grads

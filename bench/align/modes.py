@@ -1,0 +1,214 @@
+"""``python -m bench.align --modes``: ampfused's compact state modes over a long run, against its fp32-master run.
+
+The same model, data order and initial weights as the seven runs of ``python -m bench.align``, trained with
+``ampfused.FusedAdamW(max_grad_norm=...)`` in bf16 once per state mode (bench/step/modes.py names them):
+
+| run | options | state B / param |
+| --- | --- | --- |
+| ``ampfused`` | fp32 masters, fp32 moments (the reference of this report) | 12 |
+| ``ampfused+rem`` | ``store_param_remainders=True`` | 10 |
+| ``ampfused+bf16m`` | bf16 moments | 8 |
+| ``ampfused+rem+bf16m`` | both | 6 |
+| ``ampfused+sr`` | ``bf16_stochastic_round=True`` (no master) | 8 |
+| ``ampfused+sr+bf16m`` | no master, bf16 moments | 4 |
+
+and, where installed (``pip install '.[peers]'``), the other libraries' low-precision AdamW under torch's
+``clip_grad_norm_``: ``optimi-adamw`` (bf16 weights and moments, 4 B), ``optimi-adamw-kahan`` (+ a bf16 Kahan
+compensation, 6 B), ``torchao-adamw-sr`` (bf16 moments, stochastic rounding, 4 B). The figure per run: the
+relative difference of its 50-step window means from the fp32-master run's, after warm-up (max, mean, last
+window). The bar: every mode's largest window difference is within 0.5%, or no larger than that of the
+peer run with the nearest state size at or below the mode's (the same format choice made elsewhere).
+Results go to ``<out>/align-modes-<device>.{csv,txt}``.
+"""
+from __future__ import annotations
+
+import csv
+import importlib
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+import ampfused
+
+from . import model as M
+from . import report as R
+from . import runs as T
+
+BAR = 0.005  # 0.5%
+_BF16M = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+MODES = {  # run -> (FusedAdamW options, state bytes per bf16 parameter)
+    "ampfused+rem": (dict(store_param_remainders=True), 10),
+    "ampfused+bf16m": (dict(_BF16M), 8),
+    "ampfused+rem+bf16m": (dict(store_param_remainders=True, **_BF16M), 6),
+    "ampfused+sr": (dict(bf16_stochastic_round=True), 8),
+    "ampfused+sr+bf16m": (dict(bf16_stochastic_round=True, **_BF16M), 4),
+}
+PEERS = {  # run -> (module, class, options, state bytes per bf16 parameter)
+    "optimi-adamw": ("optimi", "AdamW", dict(kahan_sum=False), 4),
+    "optimi-adamw-kahan": ("optimi", "AdamW", dict(kahan_sum=True), 6),
+    "torchao-adamw-sr": ("torchao.optim", "_AdamW", dict(bf16_stochastic_round=True), 4),
+}
+
+
+class _Mode:
+    """FusedAdamW with a mode's options; the clip folded in, as the ``ampfused`` run."""
+
+    def __init__(self, model, cfg: M.Config, options: dict):
+        self.model, self.scaler = model, None
+        self.params = list(model.parameters())
+        self.opt = ampfused.FusedAdamW(M.param_groups(list(model.named_parameters()), cfg.weight_decay), lr=cfg.lr,
+                                       betas=cfg.betas, eps=cfg.eps, max_grad_norm=cfg.max_norm, **options)
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+
+    def backward(self, loss) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        self.opt.step()
+        self.opt.zero_grad()
+        return float(self.opt.last_grad_norm)
+
+    def master_list(self):
+        return self.params  # the masters this report needs are none: it compares losses
+
+
+class _Peer(_Mode):
+    """A peer's optimizer on the bf16 parameters, after torch's ``clip_grad_norm_``."""
+
+    def __init__(self, model, cfg: M.Config, cls, options: dict):
+        self.model, self.scaler, self.cfg = model, None, cfg
+        self.params = list(model.parameters())
+        self.opt = cls(M.param_groups(list(model.named_parameters()), cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
+                       eps=cfg.eps, **options)
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.opt.param_groups:
+            if isinstance(g["lr"], torch.Tensor):  # torchao keeps lr as a tensor and refuses a float
+                g["lr"].fill_(lr)
+            else:
+                g["lr"] = lr
+
+    def step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_norm)
+        self.opt.step()
+        self.opt.zero_grad()
+        return float(norm)
+
+
+def _peer_class(module: str, name: str):
+    """The peer's optimizer class, or the reason it is absent."""
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        return None, f"{module} is not installed ({e}); pip install '.[peers]'"
+    cls = getattr(mod, name, None) or getattr(mod, name.lstrip("_"), None)
+    return (cls, None) if cls is not None else (None, f"{module} has no {name}")
+
+
+def register(peers: bool = True, device_type: str = "cpu") -> Dict[str, str]:
+    """Make the runs known to ``bench.align.runs``; returns the peers left out, with the reason."""
+    absent = {}
+    for name, (options, _) in MODES.items():
+        T.EXTRA[name] = (torch.bfloat16, lambda model, cfg, device, o=options: _Mode(model, cfg, o))
+    for name, (module, cls_name, options, _) in PEERS.items():
+        if not peers:
+            absent[name] = "not asked for (--no-peers)"
+            continue
+        if module.startswith("torchao") and device_type != "cuda":
+            absent[name] = ("left out on CPU: torchao compiles its step per parameter with torch.compile, which "
+                            "took 200 s for 24 steps of a 0.03M-parameter model here")
+            continue
+        cls, why = _peer_class(module, cls_name)
+        if cls is None:
+            absent[name] = why
+            continue
+        T.EXTRA[name] = (torch.bfloat16, lambda model, cfg, device, c=cls, o=options: _Peer(model, cfg, c, o))
+    return absent
+
+
+def state_bytes(name: str) -> int:
+    return MODES[name][1] if name in MODES else PEERS[name][3] if name in PEERS else 12
+
+
+def window_figures(run: T.Run, ref: T.Run, cfg: M.Config) -> dict:
+    w = R.relative(R.window_means(run.losses, cfg.window), R.window_means(ref.losses, cfg.window))
+    first = -(-cfg.warmup_steps // cfg.window)  # the first window entirely after warm-up
+    after = w[first:] or w[-1:]
+    return dict(max=max(after), mean=sum(after) / len(after), last=after[-1], windows=w)
+
+
+def judge(figs: Dict[str, dict]) -> List[str]:
+    """One line per mode: PASS/FAIL against 0.5% or the nearest peer of the same or a smaller state."""
+    lines = []
+    peers = {n: f for n, f in figs.items() if n in PEERS}
+    for name in MODES:
+        if name not in figs:
+            continue
+        f = figs[name]
+        near = [p for p in peers if state_bytes(p) <= state_bytes(name)]
+        near.sort(key=lambda p: state_bytes(name) - state_bytes(p))
+        peer = near[0] if near else None
+        ok = f["max"] <= BAR or (peer is not None and f["max"] <= peers[peer]["max"])
+        why = f"window max {100 * f['max']:.3f}% {'<=' if f['max'] <= BAR else '>'} 0.5%"
+        if f["max"] > BAR and peer is not None:
+            why += f"; {peer} ({state_bytes(peer)} B) {100 * peers[peer]['max']:.3f}%"
+        lines.append(f"{'PASS' if ok else 'FAIL'}  {name} ({state_bytes(name)} B/param): {why}")
+    return lines
+
+
+def execute(cfg: M.Config, device: torch.device, peers: bool = True, log=print) -> tuple:
+    """Train the fp32-master run, every mode and every installed peer; returns (runs, figures, text lines)."""
+    absent = register(peers, device.type)
+    data, corpus = M.corpus()
+    offsets = M.batch_offsets(len(data), cfg)
+    state = M.initial_state(cfg)
+    names = ["ampfused"] + list(MODES) + [p for p in PEERS if p not in absent]
+    runs = {}
+    t0 = time.perf_counter()
+    for name in names:
+        runs[name] = r = T.train(name, cfg, data, offsets, state, device, torch.bfloat16)
+        log(f"  {name:>20}: {r.seconds:6.1f} s, loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}")
+    figs = {n: window_figures(r, runs["ampfused"], cfg) for n, r in runs.items() if n != "ampfused"}
+    lines = [f"python -m bench.align --modes: {len(runs)} runs of {cfg.steps} steps, {M.n_params(cfg) / 1e6:.2f}M "
+             f"parameters ({cfg.layers} layers, width {cfg.width}, context {cfg.context}, batch {cfg.batch}); text: "
+             f"{corpus}; wall time {time.perf_counter() - t0:.0f} s",
+             f"relative difference of {cfg.window}-step window means from the fp32-master run (ampfused), windows "
+             f"after the {cfg.warmup_steps}-step warm-up", "",
+             "| run | state B/param | window max | window mean | last window | final loss |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for n, f in figs.items():
+        lines.append(f"| {n} | {state_bytes(n)} | {100 * f['max']:.3f}% | {100 * f['mean']:.3f}% | "
+                     f"{100 * f['last']:.3f}% | {runs[n].losses[-1]:.4f} |")
+    lines.append(f"| ampfused (reference) | 12 | | | | {runs['ampfused'].losses[-1]:.4f} |")
+    lines += [""] + judge(figs)
+    lines += [f"absent: {n}: {why}" for n, why in absent.items()]
+    return runs, figs, lines
+
+
+def write_csv(path: str, runs: Dict[str, T.Run]) -> str:
+    names = list(runs)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step"] + names)
+        for k in range(len(runs[names[0]].losses)):
+            w.writerow([k + 1] + [f"{runs[n].losses[k]:.6f}" for n in names])
+    return path
+
+
+def main(args, device: torch.device, stem: Optional[str], out: str) -> int:
+    import os
+    cfg = M.Config(steps=args.steps, layers=args.layers, width=args.width, heads=args.heads, context=args.context,
+                   batch=args.batch, lr=args.lr, warmup=args.warmup, window=args.window, seed=args.seed)
+    runs, figs, lines = execute(cfg, device, peers=not args.no_peers, log=lambda s: print(s, flush=True))
+    text = "\n".join(lines)
+    print(text)
+    base = os.path.join(out, stem)
+    with open(base + ".txt", "w") as f:
+        f.write(text + "\n")
+    print(f"wrote {write_csv(base + '.csv', runs)}\nwrote {base}.txt")
+    failed = [x for x in lines if x.startswith("FAIL")]
+    return 1 if args.strict and failed else 0

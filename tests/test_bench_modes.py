@@ -1,0 +1,133 @@
+"""The step benchmark's state modes and peers: each mode checked by its own rule, a wrong one refused, the state
+bytes measured, the byte model per mode, peers plumbed (a fake one) and absent ones reported with the reason."""
+import os
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench.common.bytes import minimal_bytes_per_param, mode_bytes_per_param  # noqa: E402
+from bench.step import peers, workloads  # noqa: E402
+from bench.step.ampfused_variant import ampfused_backends  # noqa: E402
+from bench.step.check import CorrectnessError, make_plan, run_reference  # noqa: E402
+from bench.step.modes import MODES, ModeRunner, ModeVariant, bf16_ulp, mode_variants  # noqa: E402
+from bench.step.runner import state_bytes_per_param  # noqa: E402
+
+CPU = torch.device("cpu")
+BF16 = torch.bfloat16
+STATE = {"": 12, "+rem": 10, "+bf16m": 8, "+rem+bf16m": 6, "+sr": 8, "+sr+bf16m": 4}
+
+
+def _setup(name="3001x7", clip=True, scaler=True):
+    inst = workloads.expand([name], ["bf16"], [clip], CPU, scaler=scaler)[0]
+    params = workloads.init_params(inst)
+    plan = make_plan(inst)
+    return inst, params, plan, run_reference(inst, params, plan)
+
+
+def test_byte_model_per_mode():
+    got = {m.suffix: mode_bytes_per_param(BF16, BF16, m.master, 2 if m.bf16_moments else 4) for m in MODES}
+    assert got == {"+rem": 26, "+bf16m": 20, "+rem+bf16m": 18, "+sr": 22, "+sr+bf16m": 14}
+    assert mode_bytes_per_param(BF16, BF16) == minimal_bytes_per_param(BF16, BF16, True) == 28
+    assert mode_bytes_per_param(BF16, BF16, "none", 2, extra_bytes=2) == 18  # optimi's Kahan sum
+    with pytest.raises(ValueError, match="master must be one of"):
+        mode_bytes_per_param(BF16, BF16, "int8")
+
+
+def test_bf16_ulp():
+    x = torch.tensor([1.0, 1.5, 2.0, -3.0, 0.0], dtype=torch.float64)
+    assert bf16_ulp(x).tolist()[:4] == [2 ** -7, 2 ** -7, 2 ** -6, 2 ** -6]
+    assert bf16_ulp(x)[4] > 0
+
+
+@pytest.mark.parametrize("clip,scaler", [(True, True), (False, False)], ids=["clip-scaler", "plain"])
+def test_every_mode_passes_its_check_and_reports_its_state_bytes(clip, scaler):
+    backends = [b for b in ampfused_backends(CPU) if b != "reference"] + ["reference"]
+    inst, params, plan, expected = _setup(clip=clip, scaler=scaler)
+    for v in mode_variants(CPU, backends[:1]):
+        runner = v.build(inst, params)
+        v.check_runner(runner, inst, plan, expected)
+        bpp = state_bytes_per_param(runner, inst.workload.numel)
+        assert STATE[v.mode.suffix] <= bpp < STATE[v.mode.suffix] + 0.2, (v.name, bpp)  # + step counts, padding
+
+
+class _NoRounding(ModeRunner):
+    """bf16 moments rounded to nearest instead of stochastically: what the moments' bound must catch over
+    enough steps is hard to hit in three; a wrong weight rule is not: the step taken twice."""
+
+    def step(self):
+        super().step()
+        super().step()
+
+
+@pytest.mark.parametrize("suffix", ["+sr+bf16m", "+rem"])
+def test_a_wrong_mode_fails_its_check(suffix, monkeypatch):
+    inst, params, plan, expected = _setup()
+    backend = [b for b in ampfused_backends(CPU) if b != "reference"][:1] or ["reference"]
+    v = ModeVariant(backend[0], next(m for m in MODES if m.suffix == suffix))
+    runner = _NoRounding(v.name, v.backend, inst, params, v.mode)
+    with pytest.raises(CorrectnessError, match=v.name.replace("+", r"\+")):
+        v.check_runner(runner, inst, plan, expected)
+
+
+def test_modes_refuse_non_bf16_models():
+    inst = workloads.expand(["3001x7"], ["fp32"], [True], CPU)[0]
+    from bench.step.variants import Unavailable
+    with pytest.raises(Unavailable, match="bf16 models"):
+        ModeVariant("reference", MODES[0]).build(inst, workloads.init_params(inst))
+
+
+def test_peer_plumbing_with_a_fake_peer(monkeypatch):
+    """A fake peer (torch's AdamW on the bf16 weights, no master) passes the peer check; one with the wrong
+    learning rate fails it; an absent package is reported with the reason and the extra to install."""
+    inst, params, plan, expected = _setup()
+
+    class FakeModule:
+        @staticmethod
+        def AdamW(ps, lr, **kw):
+            return torch.optim.AdamW(ps, lr=lr, **kw)
+
+    fake = peers.Peer("fake-adamw", "torchao", "fake_peer_module",
+                      lambda mod, ps, i: mod.AdamW(ps, lr=i.lr, betas=i.betas, eps=i.eps, weight_decay=i.weight_decay))
+    monkeypatch.setitem(sys.modules, "fake_peer_module", FakeModule)
+    v = peers.PeerVariant(fake)
+    runner = v.build(inst, params)
+    v.check_runner(runner, inst, plan, expected)
+    assert 3.9 < state_bytes_per_param(runner, inst.workload.numel) < 4.2  # bf16 moments + step counts
+    assert v.bytes_per_param(inst) > 14
+
+    wrong = peers.Peer("fake-wrong-lr", "torchao", "fake_peer_module",
+                       lambda mod, ps, i: mod.AdamW(ps, lr=10 * i.lr, betas=i.betas, eps=i.eps,
+                                                    weight_decay=i.weight_decay))
+    v = peers.PeerVariant(wrong)
+    with pytest.raises(CorrectnessError, match="fake-wrong-lr"):
+        v.check_runner(v.build(inst, params), inst, plan, expected)
+
+    absent = peers.Peer("fake-absent", "torchao", "no_such_peer_module_here", fake.make)
+    from bench.step.variants import Unavailable
+    with pytest.raises(Unavailable, match=r"not installed.*\.\[peers\]"):
+        peers.PeerVariant(absent).build(inst, params)
+    cuda_only = peers.Peer("fake-cuda", "torchao", "fake_peer_module", fake.make, cuda_only=True)
+    with pytest.raises(Unavailable, match="CUDA only"):
+        peers.PeerVariant(cuda_only).build(inst, params)
+
+
+def test_cli_adds_modes_and_peers(tmp_path, capsys):
+    from bench.step import cli
+    rc = cli.main(["--device", "cpu", "--workloads", "2000x3", "--dtypes", "bf16", "--clip", "on", "--modes",
+                   "--variants", "torch-foreach,ampfused-reference+rem,ampfused-reference+sr+bf16m,flashoptim-adamw",
+                   "--reps", "2", "--warmup", "0", "--max-seconds", "1", "--copy-mb", "4", "--out", str(tmp_path),
+                   "--no-progress", "--no-plot", "--name", "t"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "state B/p" in out and "moved B/p" in out
+    assert "flashoptim-adamw on" in out and "unavailable" in out
+    import csv
+    rows = {r["variant"]: r for r in csv.DictReader(open(tmp_path / "t.csv"))}
+    assert float(rows["ampfused-reference+rem"]["state_bytes_per_param"]) == pytest.approx(10, abs=0.2)
+    assert float(rows["ampfused-reference+sr+bf16m"]["bytes_per_param"]) == 14
+    assert float(rows["torch-foreach"]["state_bytes_per_param"]) == pytest.approx(12, abs=0.2)
