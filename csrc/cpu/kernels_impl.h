@@ -292,42 +292,56 @@ void sgd_range(const StepBufs& b, const StepTensor& t, const SgdConsts& consts, 
   else update_range(lo, hi, update);
 }
 
-// Compact state (math.h): elements [lo, hi) of one parameter with the weight kept as kFmt says and the moments
-// stored as S (float, or bf16 with stochastic rounding); apply(g, w, s1, s2) is the optimizer's element
-// update. Element i draws its random bits at index offset + i of the flat state buffers.
-template <typename G, typename P, int kFmt, typename S, int kStates, typename Apply>
-void compact_range(const StepBufs& b, const StepTensor& t, int64_t lo, int64_t hi, Apply apply) {
+// Compact state (math.h): elements [lo, hi) of one parameter with the weight kept as kFmt says (kMaster: an
+// fp32 master buffer exists in the kMasterF32 format) and the moments stored as S (float, or bf16 with
+// stochastic rounding); apply(g, w, s1, s2, consts) is the optimizer's element update (a stateless lambda).
+// Element i draws its random bits at index offset + i of the flat state buffers. 16-bit values are handled as
+// raw uint16 and every choice is made when compiling, so the loop vectorises.
+template <typename G, typename P, int kFmt, bool kMaster, typename S, int kStates, typename Consts, typename Apply>
+void compact_range(const StepBufs& b, const StepTensor& t, const Consts& consts, int64_t lo, int64_t hi,
+                   Apply apply) {
+  const Consts k = consts;  // a local copy: stores to the buffers cannot alias it
+  constexpr bool kBf16State = std::is_same<S, bf16_t>::value;
+  constexpr bool kBf16Param = kFmt != kMasterF32;  // remainders and stochastic rounding: bf16 weights
   const G* __restrict g = static_cast<const G*>(t.grad);
   P* __restrict p = static_cast<P*>(t.param);
-  float* __restrict master = kFmt == kMasterF32 ? b.master : nullptr;
-  uint16_t* __restrict rem = kFmt == kMasterRemainder ? reinterpret_cast<uint16_t*>(b.master) + t.offset : nullptr;
-  if (master) master += t.offset;
-  S* __restrict s1 = kStates >= 1 ? reinterpret_cast<S*>(b.state1) + t.offset : nullptr;
-  S* __restrict s2 = kStates >= 2 ? reinterpret_cast<S*>(b.state2) + t.offset : nullptr;
+  uint16_t* __restrict pw = static_cast<uint16_t*>(t.param);
+  float* __restrict master = b.master + t.offset;
+  uint16_t* __restrict rem = reinterpret_cast<uint16_t*>(b.master) + t.offset;
+  float* __restrict f1 = b.state1 + t.offset;
+  float* __restrict f2 = b.state2 + t.offset;
+  uint16_t* __restrict h1 = reinterpret_cast<uint16_t*>(b.state1) + t.offset;
+  uint16_t* __restrict h2 = reinterpret_cast<uint16_t*>(b.state2) + t.offset;
   const uint32_t kw = t.keys[0], k1 = t.keys[1], k2 = t.keys[2];
   const int64_t base = t.offset;
 #pragma omp simd
   for (int64_t i = lo; i < hi; ++i) {
     float w;
-    if (kFmt == kMasterRemainder) w = join_master(bf16_t{reinterpret_cast<const bf16_t*>(p)[i].bits}, rem[i]);
-    else if (kFmt == kMasterNone || !master) w = to_f32(p[i]);
-    else w = master[i];
-    float a = kStates >= 1 ? load_state(s1[i]) : 0.0f;
-    float c = kStates >= 2 ? load_state(s2[i]) : 0.0f;
-    apply(to_f32(g[i]), w, a, c);
+    if constexpr (kFmt == kMasterRemainder) w = join_master_bits(pw[i], rem[i]);
+    else if constexpr (kBf16Param) w = f32_from_bits(uint32_t(pw[i]) << 16);
+    else if constexpr (kMaster) w = master[i];
+    else w = to_f32(p[i]);
+    float a = 0.0f, c = 0.0f;
+    if constexpr (kStates >= 1) a = kBf16State ? f32_from_bits(uint32_t(h1[i]) << 16) : f1[i];
+    if constexpr (kStates >= 2) c = kBf16State ? f32_from_bits(uint32_t(h2[i]) << 16) : f2[i];
+    apply(to_f32(g[i]), w, a, c, k);
     const int64_t index = base + i;
-    if (kStates >= 1) store_state(s1[i], a, random_bits(k1, index));
-    if (kStates >= 2) store_state(s2[i], c, random_bits(k2, index));
-    if (kFmt == kMasterRemainder) {
-      bf16_t wb;
-      split_master(w, wb, rem[i]);
-      reinterpret_cast<bf16_t*>(p)[i] = wb;
-    } else if (kFmt == kMasterNone) {
-      reinterpret_cast<bf16_t*>(p)[i] = round_stochastic(w, random_bits(kw, index));
-    } else if (master) {
-      master[i] = w;
-      p[i] = from_f32<P>(w);
+    if constexpr (kStates >= 1) {
+      if constexpr (kBf16State) h1[i] = round_stochastic_bits(a, random_bits(k1, index));
+      else f1[i] = a;
+    }
+    if constexpr (kStates >= 2) {
+      if constexpr (kBf16State) h2[i] = round_stochastic_bits(c, random_bits(k2, index));
+      else f2[i] = c;
+    }
+    if constexpr (kFmt == kMasterRemainder) {
+      const uint32_t code = master_code_bits(w);
+      rem[i] = remainder_of_code(code);
+      pw[i] = weight_of_code(code);
+    } else if constexpr (kFmt == kMasterNone) {
+      pw[i] = round_stochastic_bits(w, random_bits(kw, index));
     } else {
+      if constexpr (kMaster) master[i] = w;
       p[i] = from_f32<P>(w);
     }
   }
@@ -360,16 +374,21 @@ void parallel_blocks(const StepTensor* ts, int64_t count, int nthreads, F&& fn) 
   }
 }
 
-// The compact step over every tensor: G the gradients' type, kStates the moments a step keeps (0-2), make(k)
-// the element update of tensor k. Dispatches the master format and the moments' storage.
-template <typename G, int kStates, typename Make>
-void compact_apply(const StepBufs& b, const StepTensor* ts, int64_t count, int nthreads, Make make) {
+// The compact step over every tensor: G the gradients' type, kStates the moments a step keeps (0-2), cs[k]
+// tensor k's constants, apply the element update. Dispatches the master format and the moments' storage.
+template <typename G, int kStates, typename Consts, typename Apply>
+void compact_apply(const StepBufs& b, const StepTensor* ts, const Consts* cs, int64_t count, int nthreads,
+                   Apply apply) {
   const auto run = [&](auto ptag, auto fmt, auto stag) {
     using P = decltype(ptag);
     using S = decltype(stag);
     constexpr int kFmt = decltype(fmt)::value;
     parallel_blocks(ts, count, nthreads, [&](int64_t k, int64_t lo, int64_t hi, bool) {
-      compact_range<G, P, kFmt, S, kStates>(b, ts[k], lo, hi, make(k));
+      if (kFmt == kMasterF32 && b.master) {
+        compact_range<G, P, kFmt, true, S, kStates>(b, ts[k], cs[k], lo, hi, apply);
+      } else {
+        compact_range<G, P, kFmt, false, S, kStates>(b, ts[k], cs[k], lo, hi, apply);
+      }
     });
   };
   const auto with_state = [&](auto ptag, auto fmt) {
@@ -416,11 +435,20 @@ void norm_check(const Buf* bufs, int64_t nbufs, const int64_t* first_chunk, floa
 
 void adam_apply(const StepBufs& b, const StepTensor* ts, const AdamConsts* c, int64_t count, int nthreads) {
   if (is_compact(b)) {
+    // every tensor's constants in the common form: its loops of their own, as the fp32 state's (same bits)
+    bool plain = true;
+    for (int64_t k = 0; k < count; ++k) plain = plain && !c[k].use_l2 && c[k].lerp_small && !c[k].maximize;
     with_type(b.grad_dtype, [&](auto gtag) {
-      compact_apply<decltype(gtag), 2>(b, ts, count, nthreads, [&](int64_t k) {
-        const AdamConsts ck = c[k];
-        return [ck](float g, float& w, float& m, float& v) { adam_update(g, w, m, v, ck); };
-      });
+      using G = decltype(gtag);
+      if (plain) {
+        compact_apply<G, 2>(b, ts, c, count, nthreads, [](float g, float& w, float& m, float& v, const AdamConsts& k) {
+          adam_update_form<true, false>(g, w, m, v, k);
+        });
+      } else {
+        compact_apply<G, 2>(b, ts, c, count, nthreads, [](float g, float& w, float& m, float& v, const AdamConsts& k) {
+          adam_update(g, w, m, v, k);
+        });
+      }
     });
     return;
   }
@@ -443,13 +471,19 @@ void adam_apply(const StepBufs& b, const StepTensor* ts, const AdamConsts* c, in
 
 void sgd_apply(const StepBufs& b, const StepTensor* ts, const SgdConsts* c, int64_t count, int nthreads) {
   if (is_compact(b)) {
-    const auto make = [&](int64_t k) {
-      const SgdConsts ck = c[k];
-      return [ck](float g, float& w, float& m, float&) { sgd_update(g, w, m, ck); };
+    const auto momentum = [](float g, float& w, float& m, float&, const SgdConsts& k) {
+      SgdConsts kk = k;
+      kk.use_momentum = 1;
+      sgd_update(g, w, m, kk);
+    };
+    const auto plain = [](float g, float& w, float& m, float&, const SgdConsts& k) {
+      SgdConsts kk = k;
+      kk.use_momentum = 0;
+      sgd_update(g, w, m, kk);
     };
     with_type(b.grad_dtype, [&](auto gtag) {
-      if (b.state1) compact_apply<decltype(gtag), 1>(b, ts, count, nthreads, make);
-      else compact_apply<decltype(gtag), 0>(b, ts, count, nthreads, make);
+      if (b.state1) compact_apply<decltype(gtag), 1>(b, ts, c, count, nthreads, momentum);
+      else compact_apply<decltype(gtag), 0>(b, ts, c, count, nthreads, plain);
     });
     return;
   }

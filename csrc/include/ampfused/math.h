@@ -259,32 +259,39 @@ AF_HD uint32_t random_bits(uint32_t key, int64_t index) {
   return mix32((key + uint32_t(u >> 32) * 0x9E3779B9u) ^ uint32_t(u));
 }
 
-// state_precision.round_stochastic: fp32 -> bf16, up in magnitude with probability (dropped bits) / 2^16.
-AF_HD bf16_t round_stochastic(float f, uint32_t r) {
+// state_precision.round_stochastic: fp32 -> bf16 bits, up in magnitude with probability (dropped bits) / 2^16.
+AF_HD uint16_t round_stochastic_bits(float f, uint32_t r) {
   const uint32_t u = f32_bits(f);
   const uint32_t nan = (u >> 16) | 0x40u;
   const uint32_t rounded = (u + (r & 0xFFFFu)) >> 16;
-  return bf16_t{uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded)};
+  return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
+AF_HD bf16_t round_stochastic(float f, uint32_t r) { return bf16_t{round_stochastic_bits(f, r)}; }
 
-// state_precision.split_master: fp32 master -> bf16 weight (nearest, ties away from zero) and the low 16 bits.
-AF_HD void split_master(float master, bf16_t& weight, uint16_t& remainder) {
-  uint32_t u = f32_bits(master);
-  u = (u & 0x7fffffffu) > 0x7f800000u ? ((u & 0xFFFF0000u) | 0x00400000u) : u;
+// state_precision.split_master, on bits: the master's bits with a NaN made quiet (low 16 bits cleared), then
+// the bf16 weight (nearest, ties away from zero) and the remainder (the low 16 bits) of those bits.
+AF_HD uint32_t master_code_bits(float master) {
+  const uint32_t u = f32_bits(master);
+  return (u & 0x7fffffffu) > 0x7f800000u ? ((u & 0xFFFF0000u) | 0x00400000u) : u;
+}
+AF_HD uint16_t weight_of_code(uint32_t u) {
   const uint32_t mag = u & 0x7fffffffu;
-  const uint32_t low = mag & 0xFFFFu;
-  const uint32_t high = (mag >> 16) + (low >= 0x8000u ? 1u : 0u);
-  weight = bf16_t{uint16_t(((u & 0x80000000u) >> 16) | high)};
-  remainder = uint16_t(low);
+  return uint16_t(((u & 0x80000000u) >> 16) | ((mag >> 16) + ((mag & 0xFFFFu) >= 0x8000u ? 1u : 0u)));
+}
+AF_HD uint16_t remainder_of_code(uint32_t u) { return uint16_t(u & 0xFFFFu); }
+
+AF_HD void split_master(float master, bf16_t& weight, uint16_t& remainder) {
+  const uint32_t u = master_code_bits(master);
+  weight = bf16_t{weight_of_code(u)};
+  remainder = remainder_of_code(u);
 }
 
-// state_precision.join_master: the inverse of split_master.
-AF_HD float join_master(bf16_t weight, uint16_t remainder) {
-  const uint32_t w = weight.bits;
-  const uint32_t low = remainder;
+// state_precision.join_master: the inverse of split_master (weight and remainder as raw 16-bit values).
+AF_HD float join_master_bits(uint32_t w, uint32_t low) {
   const uint32_t high = (w & 0x7fffu) - (low >= 0x8000u ? 1u : 0u);
   return f32_from_bits(((w & 0x8000u) << 16) | (high << 16) | low);
 }
+AF_HD float join_master(bf16_t weight, uint16_t remainder) { return join_master_bits(weight.bits, remainder); }
 
 // A 16-bit moment: loaded exactly, stored with stochastic rounding (an fp32 moment is stored as it is).
 AF_HD float load_state(float s) { return s; }
