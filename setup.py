@@ -345,7 +345,9 @@ setup(
     # torch >= 2.4 (torch 2.13 included), so installing them never makes pip replace the installed torch
     extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib", "tqdm", "safetensors",
                              # the source-archive test builds the native modules without build isolation
-                             "pybind11>=2.10"],
+                             "pybind11>=2.10",
+                             # torch.testing._internal (PyTorch's optimizer test material, tests/torch_suite)
+                             "expecttest"],
                     "bench": ["matplotlib", "tqdm"],
                     "integrations": ["accelerate==1.15.0", "transformers==5.23.0", "lightning==2.6.6",
                                      "safetensors==0.8.0",
