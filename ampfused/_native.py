@@ -103,6 +103,14 @@ def module(kind: str):
     return _cache[kind]
 
 
+def optional(kind: str):
+    """The compiled module for ``kind``, or None where it cannot load (its callers have a Python path)."""
+    try:
+        return module(kind)
+    except ImportError:
+        return None
+
+
 def unavailable_reason(kind: str) -> Optional[str]:
     try:
         module(kind)

@@ -55,6 +55,12 @@ class _Behind:
         return False
 
 
+def _never_waits(step, what: str) -> None:
+    with _Behind() as b:
+        step()
+    assert b.busy, f"{what} waited for the device"
+
+
 def _fresh_grads(params, keep):
     """New gradient tensors (new addresses: the old ones are kept alive), as backward hands them after
     ``zero_grad()`` sets the gradients to None."""
@@ -81,9 +87,7 @@ def test_step_with_fresh_gradients_never_waits(cls, backend):
         opt.step()
     for k in range(3):
         _fresh_grads(params, keep)
-        with _Behind() as b:
-            opt.step()
-        assert b.busy, f"step {k} with fresh gradient tensors waited for the device ({backend})"
+        _never_waits(opt.step, f"step {k} with fresh gradient tensors ({backend})")
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
@@ -99,10 +103,8 @@ def test_scaler_step_and_update_with_fresh_gradients_never_wait(backend):
         scaler.step(opt)
         scaler.update()
     _fresh_grads(params, keep)
-    with _Behind() as b:
-        scaler.step(opt)
-        scaler.update()
-    assert b.busy, f"scaler.step + update with fresh gradient tensors waited for the device ({backend})"
+    _never_waits(lambda: (scaler.step(opt), scaler.update()),
+                 f"scaler.step + update with fresh gradient tensors ({backend})")
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
@@ -118,18 +120,12 @@ def test_step_after_load_state_dict_and_add_param_group_never_waits(backend):
         other.step()
     opt.load_state_dict(other.state_dict())
     _fresh_grads(params, keep)
-    with _Behind() as b:
-        opt.step()
-    assert b.busy, f"the first step after load_state_dict waited for the device ({backend})"
+    _never_waits(opt.step, f"the first step after load_state_dict ({backend})")
 
-    extra = _params(20, seed=1)
+    extra = _params(20, seed=1)  # same dtype: the new group's segment needs plans, not new kernels
     opt.add_param_group({"params": extra, "lr": 1e-4})
     _fresh_grads(params + extra, keep)
-    opt.step()  # the new group's first step builds its kernels' plans (Triton compiles nothing new)
-    _fresh_grads(params + extra, keep)
-    with _Behind() as b:
-        opt.step()
-    assert b.busy, f"a step after add_param_group waited for the device ({backend})"
+    _never_waits(opt.step, f"the first step after add_param_group ({backend})")
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
@@ -150,9 +146,7 @@ def test_default_training_loop_never_waits(backend):
     for batch in (8, 16, 8):
         step(batch)
     for batch in (24, 8, 40):
-        with _Behind() as b:
-            step(batch)
-        assert b.busy, f"the default loop's step (batch {batch}) waited for the device ({backend})"
+        _never_waits(lambda: step(batch), f"the default loop's step (batch {batch}, {backend})")
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
@@ -182,6 +176,4 @@ def test_first_step_after_a_device_move_is_reported(backend, capsys):
         opt.step()
         opt.zero_grad()
     model(x).float().sum().backward()
-    with _Behind() as b:
-        opt.step()
-    assert b.busy, f"a step after the move's first step waited for the device ({backend})"
+    _never_waits(opt.step, f"a step after the move's first step ({backend})")

@@ -38,10 +38,7 @@ def _host():
     """ampfused._host, or None where it is not built."""
     global _HOST
     if _HOST is False:
-        try:
-            _HOST = _native.module("host")
-        except ImportError:
-            _HOST = None
+        _HOST = _native.optional("host")
     return _HOST
 
 

@@ -27,10 +27,7 @@ def _host():
     """ampfused._host, or None where it is not built (the step then runs its Python path)."""
     global _HOST
     if _HOST is False:
-        try:
-            _HOST = _native.module("host")
-        except ImportError:
-            _HOST = None
+        _HOST = _native.optional("host")
     return _HOST
 
 

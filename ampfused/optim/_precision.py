@@ -49,7 +49,8 @@ class Precision(NamedTuple):
         code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
         salt = sp.mix32(((group_index * 4 + code) * sp.GOLDEN) & sp.M32)
         mixed = (self.seed ^ (salt << 32)) & ((1 << 64) - 1)
-        return torch.tensor(mixed - (1 << 64) if mixed >= 1 << 63 else mixed, dtype=torch.int64, device=device)
+        # a fill on the device, not torch.tensor(..., device=): that would be a blocking host-to-device copy
+        return torch.full((), mixed - (1 << 64) if mixed >= 1 << 63 else mixed, dtype=torch.int64, device=device)
 
 
 def make(cls_name: str, master_weights: Optional[bool], store_param_remainders: bool, bf16_stochastic_round: bool,
