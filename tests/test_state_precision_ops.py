@@ -208,8 +208,8 @@ def test_adam_compact_modes_match_the_reference(backend, mode):
     # backends (held to the oracle rule by the fp32-master tests): the fp32 values of a compact mode may differ
     # as much as twice the fp32-master mode's do, and a value stored with stochastic rounding (same draw) by one
     # bf16 ulp where the two fp32 values straddle a rounding boundary: at a few elements
-    ref, fast = _run(mode, False, "reference", 3), _run(mode, False, backend, 3)
-    ref32, fast32 = _run("fp32", False, "reference", 3), _run("fp32", False, backend, 3)
+    ref, fast = _run(mode, False, "reference", 2), _run(mode, False, backend, 2)
+    ref32, fast32 = _run("fp32", False, "reference", 2), _run("fp32", False, backend, 2)
     pairs = [("exp_avg", fast.states[0], ref.states[0], fast32.states[0], ref32.states[0]),
              ("exp_avg_sq", fast.states[1], ref.states[1], fast32.states[1], ref32.states[1]),
              ("masters", fast.master_values(), ref.master_values(), fast32.master_values(), ref32.master_values())]
@@ -223,12 +223,17 @@ def test_adam_compact_modes_match_the_reference(backend, mode):
             assert d.max() <= 1 and int((d > 0).sum()) <= max(2, a.numel() // 200), name
         else:
             bound = 2 * (a32 - b32).abs().max() + 1e-12
+            if name == "masters" and MODES[mode][1]:
+                # a bf16 moment one ulp (2^-7 of it) apart moves an update lr * m_hat / sqrt(v_hat) (at most
+                # (1 - beta1) / sqrt(1 - beta2) ~ 3.2 times lr) by 1.5 * 2^-7 of it, at each of the 2 steps
+                bound = bound + 2 * 1e-3 * 3.2 * 1.5 * 2 ** -7
             assert (a - b).abs().max() <= bound, name
     assert_bitwise("steps", fast.steps, ref.steps)
 
 
+# (each format of the weight once, and bf16 moments, which every stochastic draw of the moments goes through)
 @pytest.mark.parametrize("sgd", [False, True], ids=["adamw", "sgd"])
-@pytest.mark.parametrize("mode", [m for m in MODES])
+@pytest.mark.parametrize("mode", ["remainder-bf16-moments", "no-master-bf16-moments", "fp32-master-bf16-moments"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_skipped_step_changes_nothing(backend, mode, sgd):
     p = _run(mode, sgd, backend, 1)
@@ -250,14 +255,13 @@ def test_a_skipped_step_changes_nothing(backend, mode, sgd):
 @pytest.mark.parametrize("mode", ["no-master-bf16-moments", "remainder-bf16-moments"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_resumed_run_equals_the_uninterrupted_one(backend, mode):
-    whole = _run(mode, False, backend, 4)
+    whole = _run(mode, False, backend, 3)
     first = _run(mode, False, backend, 2)
     resumed = Problem(*MODES[mode], sgd=False)
     for dst, src in zip(resumed.tensors(), first.tensors()):  # what a checkpoint holds, in fresh tensors
         dst.copy_(src)
     resumed.seed = first.seed.clone()
-    for k in (2, 3):
-        _step(resumed, _grads(resumed, k), backend)
+    _step(resumed, _grads(resumed, 2), backend)
     for a, b in zip(resumed.tensors(), whole.tensors()):
         assert_bitwise(mode, a, b)
 
