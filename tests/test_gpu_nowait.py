@@ -91,6 +91,22 @@ def test_step_with_fresh_gradients_never_waits(cls, backend):
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("options", [dict(store_param_remainders=True),
+                                     dict(bf16_stochastic_round=True, exp_avg_dtype=torch.bfloat16,
+                                          exp_avg_sq_dtype=torch.bfloat16)], ids=["remainders", "sr-bf16-moments"])
+def test_compact_state_steps_never_wait(options, backend):
+    if backend not in _gpu_backends():
+        pytest.skip(f"backend {backend} not available on cuda")
+    params, keep = _params(), []
+    opt = ampfused.FusedAdamW(params, lr=1e-3, max_grad_norm=1.0, backend=backend, **options)
+    for _ in range(2):
+        _fresh_grads(params, keep)
+        opt.step()
+    _fresh_grads(params, keep)
+    _never_waits(opt.step, f"a step of FusedAdamW({options}) with fresh gradient tensors ({backend})")
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_scaler_step_and_update_with_fresh_gradients_never_wait(backend):
     if backend not in _gpu_backends():
         pytest.skip(f"backend {backend} not available on cuda")
