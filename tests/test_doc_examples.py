@@ -29,7 +29,7 @@ DOCS = ["README.md"] + sorted(os.path.relpath(p, REPO) for p in glob.glob(os.pat
 # every Python example of each document, by its first line, and where it is tested
 EXAMPLES = {
     "README.md": [("scaler = ampfused.GradScaler(", "here"), ("opt = ampfused.FusedAdamW(", "here"),
-                  ("from ampfused import ops", "here")],
+                  ("from ampfused import ops", "here"), ("# my_recipes.py", "here")],
     "docs/api.md": [("FusedAdamW(params, lr=1e-3,", "tests/test_readme.py (the signatures)"),
                     ("from ampfused.policies import HysteresisPolicy", "here"),
                     ('@ampfused.register_scale_policy("overflow_rate")', "here"),
@@ -151,6 +151,18 @@ def test_readme_ops():
     assert not torch.equal(start, master)
     for o, p in zip(offsets, params):  # the model's copy is the new master, rounded
         assert torch.equal(p, master[o:o + p.numel()].to(torch.bfloat16))
+
+
+def test_readme_torchtitan_recipe():
+    """The README's torchtitan recipe builds torchtitan's config of the same model with the fused optimizers owning
+    the clip (its trainer runs in tests/integrations/test_torchtitan.py)."""
+    pytest.importorskip("torchtitan")
+    from ampfused.integrations.torchtitan import FusedOptimizersContainer, FusedTrainer
+    ns = {}
+    exec(example("README.md", "# my_recipes.py"), ns)
+    cfg = ns["llama3_8b_fused"]()
+    assert isinstance(cfg, FusedTrainer.Config) and isinstance(cfg.optimizer, FusedOptimizersContainer.Config)
+    assert cfg.optimizer.max_grad_norm == cfg.training.max_norm
 
 
 def test_api_policy_by_name_and_instance():
