@@ -92,3 +92,37 @@ def test_chaos_starts_where_model_weights_part():
     assert R.before_chaos(m) == 2  # step 3's forward pass saw a weight that step 2 rounded differently
     assert R.before_chaos(R.MasterFigures(max_ulps=[1.0, 1.0], weights_differ=[4, 0])) == 1
     assert R.before_chaos(R.MasterFigures(max_ulps=[1.0, 1.0, 1.0], weights_differ=[0, 0, 0])) == 3
+
+
+def test_modes_run_against_the_fp32_master_run(tmp_path, capsys):
+    """``--modes``: every state mode trains from the same start on the same batches as the fp32-master run,
+    the figures are the window means' relative differences, and each mode gets a PASS/FAIL line."""
+    from bench.align import modes
+    rc = align.main(TINY[:-2] + ["--steps", "16", "--device", "cpu", "--modes", "--no-peers", "--out",
+                                 str(tmp_path), "--name", "m"])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    for name, (_, nbytes) in modes.MODES.items():
+        assert any(line.startswith(("PASS  ", "FAIL  ")) and f"{name} ({nbytes} B/param)" in line
+                   for line in printed.splitlines()), name
+    with open(tmp_path / "m.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 16 and list(rows[0])[1:] == ["ampfused"] + list(modes.MODES)
+    losses = {n: [float(r[n]) for r in rows] for n in rows[0] if n != "step"}
+    assert len({v[0] for v in losses.values()}) == 1  # same initial weights, same first batch
+    assert all(v[-1] < v[0] for v in losses.values())  # each learns
+    ref = R.window_means(losses["ampfused"], 8)
+    fig = modes.window_figures(T.Run("x", losses=losses["ampfused+sr"]), T.Run("y", losses=losses["ampfused"]),
+                               align.M.Config(steps=16, window=8))
+    assert fig["windows"] == R.relative(R.window_means(losses["ampfused+sr"], 8), ref)
+    assert "absent: optimi-adamw: not asked for" in (tmp_path / "m.txt").read_text()
+
+
+def test_modes_judge():
+    from bench.align import modes
+    figs = {"ampfused+sr+bf16m": dict(max=0.008), "ampfused+rem": dict(max=0.001), "optimi-adamw": dict(max=0.01),
+            "ampfused+bf16m": dict(max=0.02)}
+    lines = modes.judge(figs)
+    assert lines[0].startswith("PASS  ampfused+rem")
+    assert lines[1].startswith("FAIL  ampfused+bf16m")  # 2% and no peer of 8 B or less beats... optimi 1% < 2%
+    assert lines[2].startswith("PASS  ampfused+sr+bf16m") and "optimi-adamw (4 B) 1.000%" in lines[2]

@@ -214,6 +214,10 @@ class PeerVariant(Variant):
         norms = _run_steps(runner, plan)
         from .runner import state_bytes_per_param
         self._state_bpp = state_bytes_per_param(runner, inst.workload.numel)
+        if "bit" in self.name and not any(_code_gap(runner.opt.state[p][k]) is not None for p in runner.model
+                                          for k in ("exp_avg", "exp_avg_sq")):
+            runner.notes.append("no quantized state: torchao keeps bf16 moments for tensors under 4096 elements or "
+                                "whose size is not a multiple of its block size (256 for 8-bit, 128 for 4-bit)")
         problems = compare_peer(runner, norms, exp, inst, plan)
         if problems:
             raise CorrectnessError(f"{self.name} ({self.peer.text}) is not AdamW within its format on "

@@ -30,7 +30,11 @@ def roofline(rows: List[dict]) -> Tuple[float, str, Dict[int, float]]:
         (copy[1], "copy_")
     g = DTYPES[rows[0]["grad_dtype"]]
     sizes = {int(r["numel"]) for r in rows}
-    return bw, which, {n: minimal_bytes(n, g, g, g != DTYPES["fp32"]) / (bw * 1e9) * 1e3 for n in sizes}
+    per_param = minimal_bytes(1, g, g, g != DTYPES["fp32"])
+    moved = [float(r["bytes_per_param"]) for r in rows if r.get("bytes_per_param") not in (None, "", "n/a")]
+    if moved:  # compact state modes move fewer bytes: the floor is the least any row's format moves
+        per_param = min(moved)
+    return bw, which, {n: n * per_param / (bw * 1e9) * 1e3 for n in sizes}
 
 
 def plot_rows(rows: List[dict], out: str, title: Optional[str] = None) -> str:
