@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ampfused import _native
 from ._common import _load, _round_to, _state_ptr, _store, _to_f32
 
 MASTER_FP32 = tl.constexpr(0)
@@ -163,11 +164,5 @@ class LaunchFormat(NamedTuple):
 def launch_format(param_dtype, master, state, seed) -> LaunchFormat:
     """The constexprs of a step launch from its buffers (checked by the ops before): ``state`` any moment
     buffer of the step (or None)."""
-    if master is not None and master.dtype == torch.int16:
-        fmt = 1
-    elif master is None and seed is not None and param_dtype == torch.bfloat16:
-        fmt = 2
-    else:
-        fmt = 0
-    bf16 = state is not None and state.dtype == torch.bfloat16
-    return LaunchFormat(fmt, bf16, fmt == 0 and master is not None)
+    fmt, code, _ = _native.compact_args(param_dtype, master, state, seed)
+    return LaunchFormat(fmt, code == _native.DTYPE_CODES[torch.bfloat16], fmt == 0 and master is not None)

@@ -61,6 +61,15 @@ def _loss(model, x, y):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
+def _control_step(model, opt, loss, i, skip_iter, max_norm=None):
+    """The unscaled control run of torch's scaling tests: backward, the clip if any, the step unless skipped."""
+    loss.backward()
+    if max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if i != skip_iter:
+        opt.step()
+
+
 @pytest.mark.parametrize("optimizer_cls", OPTIMIZERS)
 def test_grad_scaling_plain(optimizer_cls):
     def run(data, model, opt, scaler, skip_iter):
@@ -68,9 +77,7 @@ def test_grad_scaling_plain(optimizer_cls):
             opt.zero_grad()
             loss = _loss(model, x, y)
             if scaler is None:
-                loss.backward()
-                if i != skip_iter:
-                    opt.step()
+                _control_step(model, opt, loss, i, skip_iter)
                 continue
             scaler.scale(loss).backward()
             if i == skip_iter:
@@ -92,10 +99,7 @@ def test_grad_scaling_clipping_before_unscale(optimizer_cls):
             opt.zero_grad()
             loss = _loss(model, x, y)
             if scaler is None:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                if i != skip_iter:
-                    opt.step()
+                _control_step(model, opt, loss, i, skip_iter, max_norm)
                 continue
             scaler.scale(loss).backward()
             norm = ampfused.clip_grad_norm_(model.parameters(), max_norm * scaler.get_scale())
@@ -125,10 +129,7 @@ def test_grad_scaling_clipping_separate_unscale(optimizer_cls):
             opt.zero_grad()
             loss = _loss(model, x, y)
             if scaler is None:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                if i != skip_iter:
-                    opt.step()
+                _control_step(model, opt, loss, i, skip_iter, max_norm)
                 continue
             scaler.scale(loss).backward()
             if i == skip_iter:
@@ -150,10 +151,7 @@ def test_clip_before_a_separate_unscale_acts_on_the_scaled_gradients(optimizer_c
             opt.zero_grad()
             loss = _loss(model, x, y)
             if scaler is None:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                if i != skip_iter:
-                    opt.step()
+                _control_step(model, opt, loss, i, skip_iter, max_norm)
                 continue
             scaler.scale(loss).backward()
             ampfused.clip_grad_norm_(model.parameters(), max_norm * scaler.get_scale())
@@ -178,9 +176,7 @@ def test_grad_scaling_penalty(optimizer_cls):
             grads = [g / scale for g in grads]
             loss = loss + sum(g.pow(2).sum() for g in grads)
             if scaler is None:
-                loss.backward()
-                if i != skip_iter:
-                    opt.step()
+                _control_step(model, opt, loss, i, skip_iter)
                 continue
             scaler.scale(loss).backward()
             if i == skip_iter:
@@ -249,9 +245,7 @@ def test_grad_scaling_autocast(optimizer_cls):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = _loss(model, x, y).float()
             if scaler is None:
-                loss.backward()
-                if i != skip_iter:
-                    opt.step()
+                _control_step(model, opt, loss, i, skip_iter)
                 continue
             scaler.scale(loss).backward()
             if i == skip_iter:
