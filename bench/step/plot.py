@@ -47,7 +47,9 @@ def plot_rows(rows: List[dict], out: str, title: Optional[str] = None) -> str:
     nrows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(6.5 * cols, 4.8 * nrows), squeeze=False)
     others = sorted({r["variant"] for r in rows} - set(STYLE))
-    style = dict(STYLE, **{v: (OTHER_COLORS[i % len(OTHER_COLORS)], "D") for i, v in enumerate(others)})
+    markers = "DvP*Xh<>"  # a new marker each time the colors come round again
+    style = dict(STYLE, **{v: (OTHER_COLORS[i % len(OTHER_COLORS)], markers[i // len(OTHER_COLORS) % len(markers)])
+                           for i, v in enumerate(others)})
     for ax, (dtype, clip) in zip(axes.flat, panels):
         sel = [r for r in rows if r["grad_dtype"] == dtype and r["clip"] == clip]
         lines = defaultdict(list)
