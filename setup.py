@@ -21,7 +21,7 @@ Build switches (environment, read once here):
   CUDA_HOME                      CUDA toolkit root (default: found from nvcc)
 """
 import concurrent.futures
-import hashlib
+import importlib.util
 import os
 import platform
 import re
@@ -47,24 +47,17 @@ CUDA_HOME = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
-SOURCE_DIRS = {"cpu": ("cpu", "include"), "cuda": ("cuda", "include"), "host": ("host", "include")}
+def _load_sources_module():
+    spec = importlib.util.spec_from_file_location("_ampfused_sources", os.path.join(ROOT, "ampfused", "_sources.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def sources_hash(kind: str) -> str:
-    """Hash of the csrc/ folders module ``kind`` is built from (paths and contents); the loader compares it to
-    detect a stale build (ampfused/_native.py computes the same), so editing one module's sources leaves the
-    others current."""
-    h = hashlib.sha256()
-    for top in SOURCE_DIRS[kind]:
-        for dirpath, dirnames, filenames in os.walk(os.path.join(CSRC, top)):
-            dirnames.sort()
-            for name in sorted(filenames):
-                if name.endswith((".h", ".cuh", ".cpp", ".cu")):
-                    path = os.path.join(dirpath, name)
-                    h.update(os.path.relpath(path, CSRC).replace(os.sep, "/").encode() + b"\0")
-                    with open(path, "rb") as f:
-                        h.update(f.read() + b"\0")
-    return h.hexdigest()[:16]
+    """Hash of the csrc/ folders module ``kind`` is built from (ampfused/_sources.py; the loader compares it to
+    detect a stale build, so editing one module's sources leaves the others current)."""
+    return _load_sources_module().sources_hash(CSRC, kind)
 
 
 def find_nvcc():

@@ -10,7 +10,6 @@ with what it was built for and how to rebuild; it never breaks ``import ampfused
 from __future__ import annotations
 
 import glob
-import hashlib
 import importlib
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -18,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import __version__
+from . import __version__, _sources
 
 REBUILD = "rebuild with `pip install -e .` from the ampfused checkout"
 MODULES = {"cpu": "ampfused._C", "cuda": "ampfused._C_cuda", "host": "ampfused._host"}
@@ -34,28 +33,15 @@ _cache: Dict[str, object] = {}
 _errors: Dict[str, str] = {}
 
 
-SOURCE_DIRS = {"cpu": ("cpu", "include"), "cuda": ("cuda", "include"), "host": ("host", "include")}  # as setup.py
-
-
 def _checkout_sources_hash(kind: str) -> Optional[str]:
-    """Hash of the ``csrc/`` folders module ``kind`` is built from, as setup.py computes it, when this package
-    runs from a checkout (editable)."""
+    """Hash of the ``csrc/`` folders module ``kind`` is built from, as setup.py stamps it, when this package runs
+    from a checkout (editable)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     csrc = os.path.join(root, "csrc")
     if not (os.path.isfile(os.path.join(root, "setup.py")) and os.path.isfile(os.path.join(csrc, "include", "ampfused",
                                                                                           "math.h"))):
         return None  # an installed wheel: no checkout to compare with
-    h = hashlib.sha256()
-    for top in SOURCE_DIRS[kind]:
-        for dirpath, dirnames, filenames in os.walk(os.path.join(csrc, top)):
-            dirnames.sort()
-            for name in sorted(filenames):
-                if name.endswith((".h", ".cuh", ".cpp", ".cu")):
-                    path = os.path.join(dirpath, name)
-                    h.update(os.path.relpath(path, csrc).replace(os.sep, "/").encode() + b"\0")
-                    with open(path, "rb") as f:
-                        h.update(f.read() + b"\0")
-    return h.hexdigest()[:16]
+    return _sources.sources_hash(csrc, kind)
 
 
 def _describe(info: dict) -> str:
