@@ -160,7 +160,8 @@ class PeerRunner(Runner):
         return [t for s in self.opt.state.values() for t in s.values() if isinstance(t, Tensor)]
 
     def tensors(self) -> List[Tensor]:
-        out = [p.detach() for p in self.model] + self._grads + self.state_tensors()
+        from .runner import _leaves  # a quantized state's storages are its inner tensors'
+        out = [p.detach() for p in self.model] + self._grads + [x for t in self.state_tensors() for x in _leaves(t)]
         if self.scaler is not None:
             out += [t for t in (self.scaler._scale, self.scaler._growth_tracker) if t is not None]
         return out
