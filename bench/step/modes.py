@@ -177,7 +177,7 @@ def _weight_bound(param0: List[Tensor], exp: Expected, plan: Plan, inst: Instanc
 
 
 def _within(name: str, got: List[Tensor], exp: List[Tensor], plan: Plan, shapes, n: int, mags: List[Tensor],
-            atol: float) -> List[str]:
+            atol: float, allow_fraction: float = 0.0) -> List[str]:
     """Elementwise ``|got - exp| <= n * ulp_bf16(max(|got|, |exp|, mag)) + atol``: ``n`` roundings of at most
     one ulp each of a value never larger in magnitude than those."""
     problems = []
@@ -185,7 +185,7 @@ def _within(name: str, got: List[Tensor], exp: List[Tensor], plan: Plan, shapes,
         g64, e64 = _pick(g, plan.sample[i]).double(), e.double()
         bound = n * bf16_ulp(torch.maximum(torch.maximum(g64.abs(), e64.abs()), m)) + atol
         bad = ~((g64 - e64).abs() <= bound)
-        if bad.any():
+        if bad.any() and not (bool(torch.isfinite(g64).all()) and int(bad.sum()) <= allow_fraction * bad.numel()):
             k = bad.nonzero().flatten()[:3].tolist()
             shown = ", ".join(f"[{j}] got {g64[j].item():.9g} expected {e64[j].item():.9g}" for j in k)
             problems.append(f"{name}[{i}] (shape {tuple(shapes[i])}): {int(bad.sum())} of {bad.numel()} elements "
