@@ -202,9 +202,16 @@ def _build(kind, world):
 
 
 def _dcp_worker(rank, world, out, kind, ckpt, phase):
+    model, opt = _build(kind, world)
+    dcp_phase(model, opt, rank, world, ckpt, phase)
+    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    params = [_full(p.detach()).clone() for p in model.parameters()]
+    save(out, rank, {"params": params, "optim": full})
+
+
+def dcp_phase(model, opt, rank, world, ckpt, phase):
     """``phase`` "save": steps 0-1, then a DCP checkpoint; "load": the checkpoint, then steps 2-3. Every run
     sees the same 16 rows per step, sliced over its own ranks."""
-    model, opt = _build(kind, world)
     x, c = Z._data(2, inject=False)
     per_rank = 2 * ROWS // world
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -220,9 +227,6 @@ def _dcp_worker(rank, world, out, kind, ckpt, phase):
     if phase == "save":
         dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
                  checkpoint_id=ckpt)
-    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    params = [_full(p.detach()).clone() for p in model.parameters()]
-    save(out, rank, {"params": params, "optim": full})
 
 
 @pytest.mark.parametrize("kind", ["fsdp2", "zero1"])

@@ -8,14 +8,12 @@ checked for what holds across shardings: the step runs on every rank, its state 
 the fp32-moment run.
 """
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import ampfused
 import dist_data as D
+import test_dist_fsdp as F
 import test_dist_zero as Z
 from ampfused.ops.state_precision import join_master
 from dist_harness import load, run_ranks, save
@@ -82,21 +80,7 @@ def _dcp_worker(rank, world, out, ckpt, phase):
     model = D.linear_model()
     fully_shard(model)
     opt = ampfused.FusedAdamW(Z._groups(model), **Z.ADAM, store_param_remainders=True)
-    x, c = Z._data(2, inject=False)
-    per_rank = 2 * Z.ROWS // world
-    rows = slice(rank * per_rank, (rank + 1) * per_rank)
-    if phase == "load":
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-        dcp.load(state, checkpoint_id=ckpt)
-        set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, opt, state["optim"])
-        steps = range(2, 4)
-    else:
-        steps = range(0, 2)
-    Z._loop(model, opt, ampfused.GradScaler("cpu", init_scale=2.0 ** 10), x, c, rows, steps)
-    if phase == "save":
-        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-                 checkpoint_id=ckpt)
+    F.dcp_phase(model, opt, rank, world, ckpt, phase)
     params = list(model.parameters())
     save(out, rank, {"params": [_full(p.detach()).clone() for p in params],
                      "remainders": [_full(opt.state[p]["master_remainder"]).clone() for p in params]})
