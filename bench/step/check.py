@@ -207,14 +207,20 @@ def compare(snap: Snapshot, norms: List[Optional[float]], exp: Expected, inst: I
     return problems
 
 
-def check(runner: Runner, inst: Instance, plan: Plan, exp: Expected) -> None:
-    """Run the check steps on ``runner``; raise :class:`CorrectnessError` naming every difference."""
+def run_check_steps(runner: Runner, plan: Plan) -> List[Optional[float]]:
+    """The plan's check steps on ``runner``; the gradient norm it reports after each (None if it reports none)."""
     norms: List[Optional[float]] = []
     for grads in plan.grads:
         runner.set_grads(grads)
         runner.step()
         n = runner.snapshot().norm
         norms.append(None if n is None else float(n))
+    return norms
+
+
+def check(runner: Runner, inst: Instance, plan: Plan, exp: Expected) -> None:
+    """Run the check steps on ``runner``; raise :class:`CorrectnessError` naming every difference."""
+    norms = run_check_steps(runner, plan)
     problems = compare(runner.snapshot(), norms, exp, inst, plan)
     if problems:
         raise CorrectnessError(f"{runner.variant} computes something else than ampfused.ops.reference on "

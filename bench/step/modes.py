@@ -54,7 +54,8 @@ from ampfused.ops.state_precision import join_master
 
 from ..common.bytes import FP32, mode_bytes_per_param
 from .ampfused_variant import AmpfusedVariant, OptimizerRunner
-from .check import (RTOL, CorrectnessError, Expected, Plan, _compare_lists, _pick, compare, norm_error)
+from .check import (RTOL, CorrectnessError, Expected, Plan, _compare_lists, _pick, compare, norm_error,
+                    run_check_steps)
 from .variants import Runner, Unavailable
 from .workloads import Instance
 
@@ -141,14 +142,6 @@ class ModeVariant(AmpfusedVariant):
         check_mode(runner, inst, plan, exp, self.mode)
 
 
-def _run_steps(runner: Runner, plan: Plan) -> List[Optional[float]]:
-    norms: List[Optional[float]] = []
-    for grads in plan.grads:
-        runner.set_grads(grads)
-        runner.step()
-        n = runner.snapshot().norm
-        norms.append(None if n is None else float(n))
-    return norms
 
 
 def _grad_bound(plan: Plan, inst: Instance, i: int) -> Tensor:
@@ -264,7 +257,7 @@ def compare_twin(snap, twin) -> List[str]:
 
 def check_mode(runner: Runner, inst: Instance, plan: Plan, exp: Expected, mode: Mode) -> None:
     """Run the check steps on a mode's runner; raise :class:`CorrectnessError` naming every difference."""
-    norms = _run_steps(runner, plan)
+    norms = run_check_steps(runner, plan)
     snap = runner.snapshot()
     if mode.twin is None:
         problems = compare_mode(snap, norms, exp, inst, plan, mode, runner.params0)
@@ -272,7 +265,7 @@ def check_mode(runner: Runner, inst: Instance, plan: Plan, exp: Expected, mode: 
         twin_mode = BY_SUFFIX.get(mode.twin, FP32_MODE)
         twin = ModeRunner(runner.variant + " (twin)", runner.backend, inst, [p.detach() for p in runner.params0],
                           twin_mode)
-        twin_norms = _run_steps(twin, plan)
+        twin_norms = run_check_steps(twin, plan)
         twin_snap = twin.snapshot()
         problems = [f"twin {twin_mode.suffix or 'fp32 master'}: {p}"
                     for p in compare_mode(twin_snap, twin_norms, exp, inst, plan, twin_mode, runner.params0)]

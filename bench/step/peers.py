@@ -45,7 +45,8 @@ from torch import Tensor, nn
 
 from ..common.bytes import mode_bytes_per_param
 from .check import CorrectnessError, Expected, Plan, norm_error
-from .modes import _run_steps, _weight_bound, _within, adam_ratio_bound
+from .check import run_check_steps
+from .modes import _weight_bound, _within, adam_ratio_bound
 from .variants import Runner, Snapshot, Unavailable, Variant
 from .workloads import Instance
 
@@ -218,7 +219,7 @@ class PeerVariant(Variant):
         return mode_bytes_per_param(inst.grad_dtype, inst.param_dtype, "none", 0.0, extra_bytes=sb)
 
     def check_runner(self, runner: Runner, inst: Instance, plan: Plan, exp: Expected) -> None:
-        norms = _run_steps(runner, plan)
+        norms = run_check_steps(runner, plan)
         from .runner import state_bytes_per_param
         self._state_bpp = state_bytes_per_param(runner, inst.workload.numel)
         if "bit" in self.name and not any(_code_gap(runner.opt.state[p][k]) is not None for p in runner.model
