@@ -51,7 +51,7 @@ PEERS = {  # run -> (module, class, options, state bytes per bf16 parameter)
 }
 
 
-class _Mode:
+class _Mode(T.Optimizing):
     """FusedAdamW with a mode's options; the clip folded in, as the ``ampfused`` run."""
 
     def __init__(self, model, cfg: M.Config, options: dict):
@@ -59,13 +59,6 @@ class _Mode:
         self.params = list(model.parameters())
         self.opt = ampfused.FusedAdamW(M.param_groups(list(model.named_parameters()), cfg.weight_decay), lr=cfg.lr,
                                        betas=cfg.betas, eps=cfg.eps, max_grad_norm=cfg.max_norm, **options)
-
-    def set_lr(self, lr: float) -> None:
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-
-    def backward(self, loss) -> None:
-        loss.backward()
 
     def step(self) -> float:
         self.opt.step()

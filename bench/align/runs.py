@@ -59,7 +59,18 @@ def _flat(ts) -> Tensor:
     return torch.cat([t.detach().reshape(-1).cpu() for t in ts])
 
 
-class _Recipe:
+class Optimizing:
+    """What the recipes share: the learning rate set on every group, backward through the scaler if any."""
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+
+    def backward(self, loss: Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+
+class _Recipe(Optimizing):
     """torch's master-weight recipe around a bf16/fp16 model (or, for an fp32 model, AdamW on the model)."""
 
     def __init__(self, model, cfg: M.Config, impl: str, scaler: Optional[torch.amp.GradScaler],
@@ -73,12 +84,6 @@ class _Recipe:
         self.opt = torch.optim.AdamW(M.param_groups(named, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
                                      eps=cfg.eps, **kw)
 
-    def set_lr(self, lr: float) -> None:
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-
-    def backward(self, loss: Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def step(self) -> float:
         """Everything after backward; returns the gradient norm before clipping."""
@@ -110,7 +115,7 @@ class _Recipe:
         return self.masters
 
 
-class _Fused:
+class _Fused(Optimizing):
     """``ampfused.FusedAdamW`` with the clip folded into the step, alone (bf16) or under ``ampfused.GradScaler``."""
 
     def __init__(self, model, cfg: M.Config, scaler: Optional[ampfused.GradScaler]):
@@ -119,12 +124,6 @@ class _Fused:
         self.opt = ampfused.FusedAdamW(M.param_groups(list(model.named_parameters()), cfg.weight_decay), lr=cfg.lr,
                                        betas=cfg.betas, eps=cfg.eps, max_grad_norm=cfg.max_norm)
 
-    def set_lr(self, lr: float) -> None:
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-
-    def backward(self, loss: Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def step(self) -> float:
         if self.scaler:
