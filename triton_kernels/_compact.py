@@ -95,18 +95,10 @@ def _split_master(master):
 
 
 @triton.jit
-def _load_bits(ptr, idx, n, MASKED: tl.constexpr):
-    if MASKED:
-        return tl.load(ptr + idx, mask=idx < n, other=0)
-    else:
-        return tl.load(ptr + idx)
-
-
-@triton.jit
 def _load_weight(param_ptr, w_ptr, idx, n, MASTER_FORMAT: tl.constexpr, MASKED: tl.constexpr):
     """The fp32 compute copy: master, master rebuilt from weight and remainder, or the weight itself."""
     if MASTER_FORMAT == MASTER_REMAINDER:
-        return _join_master(_load_bits(param_ptr, idx, n, MASKED), _load_bits(w_ptr, idx, n, MASKED))
+        return _join_master(_load(param_ptr, idx, n, MASKED), _load(w_ptr, idx, n, MASKED))
     else:
         return _to_f32(_load(w_ptr, idx, n, MASKED))
 

@@ -61,8 +61,7 @@ class _Mode(T.Optimizing):
                                        betas=cfg.betas, eps=cfg.eps, max_grad_norm=cfg.max_norm, **options)
 
     def step(self) -> float:
-        self.opt.step()
-        self.opt.zero_grad()
+        self.step_optimizer()
         return float(self.opt.last_grad_norm)
 
     def master_list(self):

@@ -69,6 +69,15 @@ class Optimizing:
     def backward(self, loss: Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
+    def step_optimizer(self) -> None:
+        """The optimizer's step (through the scaler if any), then its gradients set to None."""
+        if self.scaler:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.opt.zero_grad()
+
 
 class _Recipe(Optimizing):
     """torch's master-weight recipe around a bf16/fp16 model (or, for an fp32 model, AdamW on the model)."""
@@ -99,12 +108,7 @@ class _Recipe(Optimizing):
             torch._foreach_mul_([m.grad for m in self.masters], coef)
         else:
             norm = torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.max_norm)
-        if self.scaler:
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            self.opt.step()
-        self.opt.zero_grad()
+        self.step_optimizer()
         if self.masters is not self.params:
             with torch.no_grad():
                 for p, m in zip(self.params, self.masters):
@@ -124,14 +128,8 @@ class _Fused(Optimizing):
         self.opt = ampfused.FusedAdamW(M.param_groups(list(model.named_parameters()), cfg.weight_decay), lr=cfg.lr,
                                        betas=cfg.betas, eps=cfg.eps, max_grad_norm=cfg.max_norm)
 
-
     def step(self) -> float:
-        if self.scaler:
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            self.opt.step()
-        self.opt.zero_grad()
+        self.step_optimizer()
         return float(self.opt.last_grad_norm)
 
     def master_list(self) -> List[Tensor]:
