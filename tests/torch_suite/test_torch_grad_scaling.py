@@ -61,6 +61,15 @@ def _loss(model, x, y):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
+def _scaled_step(model, opt, scaler, loss, i, skip_iter):
+    """The scaled run's iteration of torch's scaling tests: backward, an inf at the skipped step, step, update."""
+    scaler.scale(loss).backward()
+    if i == skip_iter:
+        model[1].weight.grad.data.fill_(float("inf"))
+    scaler.step(opt)
+    scaler.update()
+
+
 def _control_step(model, opt, loss, i, skip_iter, max_norm=None):
     """The unscaled control run of torch's scaling tests: backward, the clip if any, the step unless skipped."""
     loss.backward()
@@ -79,11 +88,7 @@ def test_grad_scaling_plain(optimizer_cls):
             if scaler is None:
                 _control_step(model, opt, loss, i, skip_iter)
                 continue
-            scaler.scale(loss).backward()
-            if i == skip_iter:
-                model[1].weight.grad.data.fill_(float("inf"))
-            scaler.step(opt)
-            scaler.update()
+            _scaled_step(model, opt, scaler, loss, i, skip_iter)
     _run_scaling_case(run, optimizer_cls, unskipped=3, skipped=1)
 
 
@@ -178,11 +183,7 @@ def test_grad_scaling_penalty(optimizer_cls):
             if scaler is None:
                 _control_step(model, opt, loss, i, skip_iter)
                 continue
-            scaler.scale(loss).backward()
-            if i == skip_iter:
-                model[1].weight.grad.data.fill_(float("inf"))
-            scaler.step(opt)
-            scaler.update()
+            _scaled_step(model, opt, scaler, loss, i, skip_iter)
     _run_scaling_case(run, optimizer_cls, unskipped=3, skipped=1)
 
 
@@ -247,11 +248,7 @@ def test_grad_scaling_autocast(optimizer_cls):
             if scaler is None:
                 _control_step(model, opt, loss, i, skip_iter)
                 continue
-            scaler.scale(loss).backward()
-            if i == skip_iter:
-                model[1].weight.grad.data.fill_(float("inf"))
-            scaler.step(opt)
-            scaler.update()
+            _scaled_step(model, opt, scaler, loss, i, skip_iter)
     _run_scaling_case(run, optimizer_cls, unskipped=3, skipped=1)
 
 
