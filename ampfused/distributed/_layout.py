@@ -3,9 +3,19 @@
 The parameters of one dtype, group after group, are laid end to end in their memory order (a *space*), padded
 with zeros to ``world * shard`` elements; rank ``r`` owns elements ``[r * shard, (r + 1) * shard)``. That range
 cuts through parameters: each piece of a parameter inside it is a *piece*, and the pieces of one param group form
-a :class:`ShardSegment`, which holds the rank's fp32 masters, moments and per-piece step counts in flat buffers
-laid out by :func:`ampfused.ops.state_layout`, exactly as a fused optimizer's segment does for whole parameters.
+a :class:`ShardSegment`, which holds the rank's masters, moments and per-piece step counts in flat buffers laid
+out by :func:`ampfused.ops.state_layout`, exactly as a fused optimizer's segment does for whole parameters.
 Every element of every parameter has exactly one owner, so the state per rank is ``1/world`` of the whole.
+
+The state is kept in the precision the optimizer's options ask for (``docs/state-precision.md``), as a fused
+optimizer's segment keeps it: fp32 masters, int16 master remainders beside bf16 weights, or none (stochastic
+rounding); moments in fp32 or bf16. The stochastic rounding draws by the element's index in the rank's own flat
+buffers, keyed by the segment's seed with the rank's shard start folded in (:func:`shard_seed`): ranks draw
+independent bits, and a world of one draws what the unsharded optimizer draws; other world sizes draw other bits.
+
+``align`` (1 by default) keeps every parameter's start in the space and every shard boundary at a multiple of
+``align`` elements, so a shard cuts a parameter only at multiples of ``align`` of its own elements (a block-wise
+state format with blocks of ``align`` elements of each parameter keeps whole blocks per rank).
 """
 from __future__ import annotations
 
@@ -15,22 +25,49 @@ import torch
 from torch import Tensor
 
 from ..ops import memory_view, state_layout
+from ..ops import state_precision as sp
+from ..optim._precision import Precision
+
+
+def state_dtypes(precision: Precision, dtype: torch.dtype, use_master: bool) -> tuple:
+    """``(master dtype or None, moments dtype)`` of the state of ``dtype`` parameters, as a fused optimizer's
+    segment keeps it (``ampfused.optim._segment.Segment``)."""
+    fmt = precision.master_format(dtype, use_master)
+    use_master = use_master and fmt != sp.MASTER_NONE
+    master = (torch.int16 if fmt == sp.MASTER_REMAINDER else torch.float32) if use_master else None
+    moments = precision.moments if (use_master or dtype in (torch.float32, torch.bfloat16)) else torch.float32
+    return master, moments
+
+
+def master_key(master_dtype) -> str:
+    """The state-dict key of a master buffer of ``master_dtype`` (int16: the remainders)."""
+    return "master_remainder" if master_dtype == torch.int16 else "master_param"
+
+
+def shard_seed(precision: Precision, group_index: int, dtype: torch.dtype, device, lo: int) -> Tensor:
+    """The seed of one rank's segment: the unsharded segment's (:meth:`Precision.segment_seed`) xor a hash of
+    the rank's first element ``lo`` in the space (0 on rank 0, so a world of one draws as the unsharded
+    optimizer does). Computed on the device: no host copy."""
+    salt = (sp.mix32((lo >> 32) & sp.M32) << 32) | sp.mix32(lo & sp.M32)  # mix32(0) == 0
+    salt = salt - (1 << 64) if salt >= 1 << 63 else salt
+    return torch.bitwise_xor(precision.segment_seed(group_index, dtype, device), salt)
 
 
 class Space:
     """The parameters of one dtype and this rank's shard of them, with the communication buffers."""
 
-    def __init__(self, dtype: torch.dtype, entries: List[tuple], world: int, rank: int):
+    def __init__(self, dtype: torch.dtype, entries: List[tuple], world: int, rank: int, align: int = 1):
         self.dtype = dtype
         self.groups = [gi for gi, _ in entries]
         self.params: List[Tensor] = [p for _, p in entries]
         self.offsets: List[int] = []
         total = 0
         for p in self.params:
+            total = -(-total // align) * align
             self.offsets.append(total)
             total += p.numel()
         self.numel = total
-        self.shard = max(1, -(-total // world))
+        self.shard = max(1, -(-total // (world * align))) * align
         self.lo = rank * self.shard
         device = self.params[0].device
         self.comm = torch.zeros(self.shard * world, dtype=dtype, device=device)  # gradients in, parameters out
@@ -55,7 +92,8 @@ class Space:
 class ShardSegment:
     """This rank's pieces of one param group in one space, and the optimizer's state for them."""
 
-    def __init__(self, space: Space, group_index: int, pieces: List[tuple], use_master: bool, state_names: tuple):
+    def __init__(self, space: Space, group_index: int, pieces: List[tuple], use_master: bool, state_names: tuple,
+                 precision: Precision = Precision()):
         self.space = space
         self.group_index = group_index
         self.index = [j for j, _, _, _ in pieces]  # parameter index in the space
@@ -65,13 +103,19 @@ class ShardSegment:
         self.offsets, self.total = state_layout(self.lengths)
         device = space.params[0].device
         f32 = dict(dtype=torch.float32, device=device)
-        self.master: Optional[Tensor] = torch.zeros(self.total, **f32) if use_master else None
-        self.states: Dict[str, Tensor] = {name: torch.zeros(self.total, **f32) for name in state_names}
+        master_dtype, moments = state_dtypes(precision, space.dtype, use_master)
+        self.master: Optional[Tensor] = (torch.zeros(self.total, dtype=master_dtype, device=device)
+                                         if master_dtype is not None else None)  # remainders 0: the weights' values
+        self.states: Dict[str, Tensor] = {name: torch.zeros(self.total, dtype=moments, device=device)
+                                          for name in state_names}
+        draws = precision.master_format(space.dtype, use_master) == sp.MASTER_NONE
+        self.seed: Optional[Tensor] = (shard_seed(precision, group_index, space.dtype, device, space.lo)
+                                       if draws or moments == torch.bfloat16 else None)
         self.steps = torch.zeros(len(pieces), **f32)
         self.has_state = [False] * len(pieces)
         self.lr = torch.zeros((), **f32)
         self.lr_value = None
-        if self.master is not None:
+        if self.master is not None and self.master.dtype == torch.float32:
             for k in range(len(pieces)):
                 self.piece(self.master, k).copy_(self.param_piece(k))
 
@@ -95,19 +139,20 @@ class ShardSegment:
         return sum(t.numel() * t.element_size() for t in flats) + self.steps.numel() * self.steps.element_size()
 
 
-def build_spaces(param_groups: List[dict], world: int, rank: int, use_master, state_names: tuple) -> List[Space]:
+def build_spaces(param_groups: List[dict], world: int, rank: int, use_master, state_names: tuple,
+                 precision: Precision = Precision(), align: int = 1) -> List[Space]:
     by_dtype: Dict[torch.dtype, List[tuple]] = {}
     for gi, g in enumerate(param_groups):
         for p in g["params"]:
             by_dtype.setdefault(p.dtype, []).append((gi, p))
     spaces = []
     for dtype, entries in by_dtype.items():
-        space = Space(dtype, entries, world, rank)
+        space = Space(dtype, entries, world, rank, align)
         per_group: Dict[int, List[tuple]] = {}
         for gi, j, a, n, o in space.pieces():
             per_group.setdefault(gi, []).append((j, a, n, o))
         with torch.no_grad():
-            space.segments = [ShardSegment(space, gi, pieces, use_master(dtype), state_names)
+            space.segments = [ShardSegment(space, gi, pieces, use_master(dtype), state_names, precision)
                               for gi, pieces in per_group.items()]
         spaces.append(space)
     return spaces

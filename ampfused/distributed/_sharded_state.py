@@ -5,6 +5,11 @@ buffer and dtype, one all-reduce of the step counts): the result is what :class:
 for the same run, so it loads into any world size, into the unsharded fused optimizers and into torch's.
 ``import_sharded`` takes such a whole state dict and keeps this rank's pieces; it validates everything and
 builds the new buffers aside before swapping them in, so a state dict that does not fit changes nothing.
+
+Compact state (``docs/state-precision.md``) is exported in its storage precision under the unsharded optimizer's
+keys (bf16 moments, int16 ``master_remainder``), and imported as the unsharded optimizer imports it: an fp32
+checkpoint's moments are rounded to the moments' dtype, its ``master_param`` becomes remainders
+(:func:`ampfused.optim._precision.remainders_from`).
 """
 from __future__ import annotations
 
@@ -14,20 +19,25 @@ import torch
 from torch import Tensor
 
 from ..ops import memory_view
+from ..optim._precision import remainders_from
 from ..optim._state import _packed_groups, checked_entry, checked_groups
 from . import _comm as C
+from ._layout import master_key, state_dtypes
 
 
-def _whole(s, name: str, group) -> Tensor:
-    """All ranks' pieces of one state buffer (``name``, or the masters) of space ``s`` as one fp32 tensor over the
-    whole space."""
-    local = torch.zeros(s.shard, dtype=torch.float32, device=s.comm.device)
+def _whole(s, name: str, dtype: torch.dtype, group) -> Tensor:
+    """All ranks' pieces of one state buffer (``name``, or the masters) of space ``s`` as one ``dtype`` tensor over
+    the whole space."""
+    local = torch.zeros(s.shard, dtype=dtype, device=s.comm.device)
     for seg in s.segments:
-        flat = seg.master if name == "master_param" else seg.states[name]
+        flat = seg.master if name in ("master_param", "master_remainder") else seg.states[name]
         for k in range(len(seg)):
             seg.shard_piece(local, k).copy_(seg.piece(flat, k))
-    out = torch.empty(s.comm.numel(), dtype=torch.float32, device=s.comm.device)
-    C.all_gather(out, local, group)
+    out = torch.empty(s.comm.numel(), dtype=dtype, device=s.comm.device)
+    if dtype == torch.int16:  # gathered as bf16 bits (gloo has no int16; a gather moves bits unchanged)
+        C.all_gather(out.view(torch.bfloat16), local.view(torch.bfloat16), group)
+    else:
+        C.all_gather(out, local, group)
     return out
 
 
@@ -45,8 +55,11 @@ def export_sharded(opt) -> dict:
         count, has = steps.tolist()  # one read per dtype, at checkpoint time only
         if not any(has):
             continue
-        names = list(opt.state_names) + (["master_param"] if opt._use_master(s.dtype) else [])
-        whole = {name: _whole(s, name, opt.process_group) for name in names}
+        master, moments = state_dtypes(opt._precision, s.dtype, opt._use_master(s.dtype))
+        dtypes = dict.fromkeys(opt.state_names, moments)
+        if master is not None:
+            dtypes[master_key(master)] = master
+        whole = {name: _whole(s, name, dtype, opt.process_group) for name, dtype in dtypes.items()}
         for j, p in enumerate(s.params):
             if not has[j]:
                 continue
@@ -64,10 +77,11 @@ def import_sharded(opt, state_dict: dict) -> None:
         for p in s.params:
             entry = checked_entry(opt, saved_state, sid_of[id(p)], p)
             if entry is not None:
+                _check_remainder(entry[0], p, sid_of[id(p)])
                 entries[id(p)] = entry
 
     def in_memory_order(v: Tensor, p: Tensor) -> Tensor:
-        out = torch.empty_like(p, dtype=torch.float32)  # p's strides: memory order is p's
+        out = torch.empty_like(p, dtype=v.dtype)  # p's strides: memory order is p's
         out.copy_(v.reshape(p.shape))
         return memory_view(out)
 
@@ -87,8 +101,15 @@ def import_sharded(opt, state_dict: dict) -> None:
                         has[k] = True
                         for key in keys:
                             seg.piece(states[key], k).copy_(in_memory_order(e[key], p)[a:a + n])
-                    if master is not None:
-                        src = entry[0].get("master_param") if entry is not None else None
+                    e = entry[0] if entry is not None else {}
+                    if master is not None and master.dtype == torch.int16:  # remainders
+                        if e.get("master_remainder") is not None:
+                            seg.piece(master, k).copy_(in_memory_order(e["master_remainder"], p)[a:a + n])
+                        elif e.get("master_param") is not None:
+                            fp32 = in_memory_order(e["master_param"].float(), p)[a:a + n]
+                            seg.piece(master, k).copy_(remainders_from(fp32, seg.param_piece(k)))
+                    elif master is not None:
+                        src = e.get("master_param")
                         seg.piece(master, k).copy_(in_memory_order(src, p)[a:a + n] if src is not None
                                                    else seg.param_piece(k))
                 built.append((seg, states, master, torch.tensor(steps, dtype=torch.float32).to(seg.steps.device), has))
@@ -97,3 +118,14 @@ def import_sharded(opt, state_dict: dict) -> None:
         seg.lr_value = None
     for g, ng in zip(groups, new_groups):
         g.update(ng)
+
+
+def _check_remainder(e: dict, p: Tensor, sid) -> None:
+    """A loaded ``master_remainder`` (checked on every rank, whichever owns it): int16, one per element of ``p``."""
+    v = e.get("master_remainder")
+    if v is None:
+        return
+    if not isinstance(v, Tensor) or v.dtype != torch.int16 or v.numel() != p.numel():
+        found = f"{v.dtype} of shape {tuple(v.shape)}" if isinstance(v, Tensor) else type(v).__name__
+        raise ValueError(f"loaded state 'master_remainder' of parameter {sid} must be an int16 tensor with "
+                         f"{p.numel()} elements like the parameter (shape {tuple(p.shape)}), got {found}")

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
+from ..optim import _precision
 from ..optim.adam import AdamMath
 from ..optim.sgd import SgdMath
 from .sharded import ShardedFusedOptimizer
@@ -13,18 +16,27 @@ class _ShardedAdamBase(AdamMath, ShardedFusedOptimizer):
                  maximize=False, process_group=None, grad_reduction: Optional[str] = "mean",
                  max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
                  backend: Optional[str] = None, spike_guard=None, foreach=None, fused=None, capturable=False,
-                 differentiable=False):
+                 differentiable=False, store_param_remainders: bool = False, bf16_stochastic_round: bool = False,
+                 exp_avg_dtype: torch.dtype = torch.float32, exp_avg_sq_dtype: torch.dtype = torch.float32,
+                 seed: int = 0):
+        precision = _precision.make(type(self).__name__, master_weights, store_param_remainders, bf16_stochastic_round,
+                                    {"exp_avg_dtype": exp_avg_dtype, "exp_avg_sq_dtype": exp_avg_sq_dtype}, seed)
         defaults = self.adam_defaults(lr, betas, eps, weight_decay, amsgrad, maximize, differentiable)
         super().__init__(params, defaults, process_group=process_group, grad_reduction=grad_reduction,
                          max_grad_norm=max_grad_norm, master_weights=master_weights, backend=backend,
-                         spike_guard=spike_guard)
+                         spike_guard=spike_guard, precision=precision)
 
 
 class ShardedFusedAdam(_ShardedAdamBase):
     """Adam (L2 decay, ``torch.optim.Adam`` math) with ZeRO-1 sharding: the arguments of
     :class:`ampfused.FusedAdam`, plus ``process_group`` (``None``: the default group) and ``grad_reduction``
     (``"mean"``: gradients averaged over ranks as DDP does, ``"sum"``: summed, ``None``: already reduced, e.g. by
-    DDP). ``spike_guard`` and ``max_grad_norm`` act on the global norm; ``track_nonfinite`` is not offered."""
+    DDP). ``spike_guard`` and ``max_grad_norm`` act on the global norm; ``track_nonfinite`` is not offered.
+
+    State precision (``docs/state-precision.md``): ``store_param_remainders``, ``bf16_stochastic_round``,
+    ``exp_avg_dtype``/``exp_avg_sq_dtype`` and ``seed`` as in :class:`ampfused.FusedAdam`, applied to each rank's
+    shard of the state. Stochastic rounding draws depend on the world size (a world of one draws as
+    :class:`ampfused.FusedAdam` does); remainders draw nothing, so their masters do not."""
 
 
 class ShardedFusedAdamW(_ShardedAdamBase):
@@ -38,14 +50,18 @@ class ShardedFusedAdamW(_ShardedAdamBase):
 
 class ShardedFusedSGD(SgdMath, ShardedFusedOptimizer):
     """SGD (``torch.optim.SGD`` math) with ZeRO-1 sharding; arguments of :class:`ampfused.FusedSGD` plus
-    ``process_group`` and ``grad_reduction`` (see :class:`ShardedFusedAdam`)."""
+    ``process_group`` and ``grad_reduction`` (see :class:`ShardedFusedAdam`), state precision options included
+    (``momentum_dtype`` for the momentum buffer)."""
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, process_group=None, grad_reduction: Optional[str] = "mean",
                  max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
                  backend: Optional[str] = None, spike_guard=None, foreach=None, fused=None, capturable=False,
-                 differentiable=False):
+                 differentiable=False, store_param_remainders: bool = False, bf16_stochastic_round: bool = False,
+                 momentum_dtype: torch.dtype = torch.float32, seed: int = 0):
+        precision = _precision.make(type(self).__name__, master_weights, store_param_remainders, bf16_stochastic_round,
+                                    {"momentum_dtype": momentum_dtype}, seed)
         defaults = self.sgd_defaults(lr, momentum, dampening, weight_decay, nesterov, maximize, differentiable)
         super().__init__(params, defaults, process_group=process_group, grad_reduction=grad_reduction,
                          max_grad_norm=max_grad_norm, master_weights=master_weights, backend=backend,
-                         spike_guard=spike_guard)
+                         spike_guard=spike_guard, precision=precision)

@@ -15,6 +15,10 @@ optimizer state of ``1/world`` of the parameter elements (see :mod:`._layout`). 
 
 Nothing is read to the host. Overflow and spike skips are decided from the all-reduced values, so every rank
 skips together; the all-gather makes the parameters bitwise identical on every rank.
+
+The state-precision options of the fused optimizers (``store_param_remainders``, ``bf16_stochastic_round``, the
+moments' dtypes, ``seed``; ``docs/state-precision.md``) apply to each rank's shard of the state as they apply to a
+segment's state (see :mod:`._layout` for the stochastic rounding's draws).
 """
 from __future__ import annotations
 
@@ -29,10 +33,11 @@ from ..guard import SpikeGuard
 from ..ops.checks import same_layout
 from ..optim import _params as P
 from ..optim._base import FusedOptimizer, _append_flag, _on
+from ..optim._precision import Precision
 from ..optim._segment import LOW_PRECISION, _keep_or_rebuild, layout_of
 from ..optim._state import ParamState, run_load_pre_hooks, state_dict_with_hooks
 from . import _comm as C
-from ._layout import Space, build_spaces
+from ._layout import Space, build_spaces, master_key, state_dtypes
 from ._sharded_state import export_sharded, import_sharded
 
 _REDUCTIONS = ("mean", "sum", None)
@@ -44,10 +49,14 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands over grad_scale / found_inf
     _ampfused_fused = True  # ampfused.GradScaler unscales through _ampfused_unscale_
     state_names: tuple = ()
+    # shard boundaries and parameter starts at multiples of this many elements (see ._layout); a block-wise state
+    # format sets its block size here
+    shard_align: int = 1
 
     def __init__(self, params, defaults: dict, *, process_group=None, grad_reduction: Optional[str] = "mean",
                  max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
-                 backend: Optional[str] = None, spike_guard: Optional[SpikeGuard] = None):
+                 backend: Optional[str] = None, spike_guard: Optional[SpikeGuard] = None,
+                 precision: Optional[Precision] = None):
         if grad_reduction not in _REDUCTIONS:
             raise ValueError(f"grad_reduction must be 'mean', 'sum' or None (gradients already reduced, e.g. by "
                              f"DDP), got {grad_reduction!r}")
@@ -86,6 +95,8 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
         self.master_weights = master_weights
         self.backend = backend
         self.spike_guard = spike_guard
+        self._precision = precision or Precision()
+        self._keep_remainders = False  # set by a load: the next follow keeps the loaded remainders
         self._spaces: Optional[List[Space]] = None
         super().__init__(groups, defaults)
         device = devices.pop() if devices else torch.device("cpu")
@@ -127,13 +138,14 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
     def _ensure_layout(self) -> List[Space]:
         if self._spaces is None:
             self._spaces = build_spaces(self.param_groups, self.world_size, self.rank, self._use_master,
-                                        self.state_names)
+                                        self.state_names, self._precision, self.shard_align)
             self._layouts = [[layout_of(p) for p in s.params] for s in self._spaces]
             self._remember()
         return self._spaces
 
     def _remember(self) -> None:
         self._versions = [[p._version for p in s.params] for s in self._spaces]
+        self._keep_remainders = False
 
     def _forget(self) -> None:
         self._versions = [[-1] * len(s.params) for s in self._spaces]
@@ -141,7 +153,9 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
     def _follow(self) -> None:
         """Refuse parameters that changed dtype, device, shape or strides (the shards cannot follow them); for
         parameters written since the last step (a checkpoint loaded into the model, ``p.copy_``), keep each
-        owned master piece where it still rounds to the parameter, else rebuild it from the values."""
+        owned master piece where it still rounds to the parameter, else rebuild it from the values. Remainders
+        are reset (the master is then the weight's value), except right after ``load_state_dict``: loaded
+        remainders belong with the checkpoint's weights."""
         flat = [p for g in self.param_groups for p in g["params"]]
         mine = [p for s in self._spaces for p in s.params]
         if len(flat) != len(mine) or {id(p) for p in flat} != {id(p) for p in mine}:
@@ -160,10 +174,16 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
             for seg in s.segments:
                 if seg.master is None:
                     continue
+                remainders = seg.master.dtype == torch.int16
+                if remainders and self._keep_remainders:
+                    continue
                 for k, j in enumerate(seg.index):
                     if j in changed:
                         m = seg.piece(seg.master, k)
-                        m.copy_(_keep_or_rebuild(m, seg.param_piece(k)))
+                        if remainders:
+                            m.zero_()
+                        else:
+                            m.copy_(_keep_or_rebuild(m, seg.param_piece(k)))
         self._remember()
 
     # --- gradients -------------------------------------------------------------------------------------------
@@ -283,8 +303,8 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _bind_state(self, params) -> None:
-        """``state[p]`` for each of ``params``: this rank's piece of each of its state buffers (flat fp32 views,
-        empty where this rank owns none of ``p``). Every rank holds an entry for every parameter that has
+        """``state[p]`` for each of ``params``: this rank's piece of each of its state buffers (flat views in the
+        buffers' dtypes, empty where this rank owns none of ``p``). Every rank holds an entry for every parameter that has
         state, so code that asks whether the optimizer has state (torch.distributed.checkpoint's
         get_optimizer_state_dict does) gets the same answer on every rank. The whole state: :meth:`state_dict`."""
         where = {}
@@ -295,14 +315,15 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
         for p in params:
             seg_k = where.get(id(p))
             if seg_k is None:
-                values = {name: torch.empty(0, dtype=torch.float32, device=self._device) for name in self.state_names}
-                if self._use_master(p.dtype):
-                    values["master_param"] = torch.empty(0, dtype=torch.float32, device=self._device)
+                master, moments = state_dtypes(self._precision, p.dtype, self._use_master(p.dtype))
+                values = {name: torch.empty(0, dtype=moments, device=self._device) for name in self.state_names}
+                if master is not None:
+                    values[master_key(master)] = torch.empty(0, dtype=master, device=self._device)
             else:
                 seg, k = seg_k
                 values = {name: seg.piece(flat, k) for name, flat in seg.states.items()}
                 if seg.master is not None:
-                    values["master_param"] = seg.piece(seg.master, k)
+                    values[master_key(seg.master.dtype)] = seg.piece(seg.master, k)
             st = ParamState()
             st._bind(values)
             dict.__setitem__(self.state, p, st)
@@ -342,8 +363,8 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
         return self._stats[1] > 0
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (fp32 masters, moments, step counts): about
-        ``1/world_size`` of what the unsharded optimizer holds."""
+        """Bytes of optimizer state this rank holds (masters or their remainders, moments, step counts, in their
+        storage precision): about ``1/world_size`` of what the unsharded optimizer holds."""
         return sum(seg.state_bytes() for s in self._ensure_layout() for seg in s.segments)
 
     def _ampfused_device(self) -> torch.device:
@@ -383,6 +404,7 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
         self._bind_state([p for g, saved in zip(self.param_groups, state_dict["param_groups"])
                           for sid, p in zip(saved["params"], g["params"]) if state_dict["state"].get(sid)])
         self._forget()  # the next step compares every master piece with its parameter's values
+        self._keep_remainders = True  # (remainders: loaded with the weights they complete)
         if self.spike_guard is not None:
             self.spike_guard.load_state_dict(state_dict.get("spike_guard", {}), self._device)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
