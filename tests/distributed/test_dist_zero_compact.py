@@ -62,7 +62,7 @@ def _run_worker(rank, world, out, kind, options, align=None):
     _steps(model, opt, ampfused.GradScaler("cpu"), *Z._data(world), slice(rank * ROWS, (rank + 1) * ROWS),
            range(STEPS), lambda s, when: around.__setitem__(when, _result(model, opt)) if s == INF_STEP else None)
     cuts = [(s.offsets, s.shard, seg.starts) for s in opt._spaces for seg in s.segments]
-    save(out, rank, dict(_result(model, opt), around=around, cuts=cuts))
+    save(out, rank, dict(_result(model, opt), around=around, cuts=cuts, bytes=opt.state_bytes()))
 
 
 def _single(kind, options, world=2):
@@ -94,7 +94,10 @@ def test_remainders_on_two_ranks_are_the_single_process_step(tmp_path, kind):
     want = _result(model, opt)
     fp32_model, fp32_opt = _single(kind, {})
     masters = [fp32_opt.state[p]["master_param"] for p in fp32_model.parameters()]
-    for r, got in enumerate(load(tmp_path, 2)):
+    ranks = load(tmp_path, 2)
+    # int16 remainder + fp32 moments (10 B; SGD's momentum: 6 B) per element, 136 elements; a step count per piece
+    assert sum(got["bytes"] for got in ranks) == (10 if kind == "adamw" else 6) * 136 + 4 * 3
+    for r, got in enumerate(ranks):
         _assert_same(got, want, f"rank {r}")
         for i, w in enumerate(got["params"]):
             rem = got["state"]["state"][i]["master_remainder"]
@@ -115,25 +118,29 @@ def test_aligned_shards_cut_parameters_at_multiples_of_the_block(tmp_path):
     assert ranks[1]["cuts"][0][2] == [80]
 
 
-def test_stochastic_modes_on_one_and_two_ranks(tmp_path):
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_stochastic_modes_on_one_and_two_ranks(tmp_path, kind):
     """No master and bf16 moments: world 1 is bitwise the single-process optimizer; at world 2 every rank holds
-    the same weights, within a bf16 ulp per update of the fp32 run's; the skipped step changes nothing."""
+    the same weights (AdamW: within a bf16 ulp per update of the fp32 run's); the skipped step changes nothing."""
     for world in (1, 2):
         (tmp_path / f"w{world}").mkdir()
-        run_ranks(_run_worker, world, str(tmp_path / f"w{world}"), "adamw", STOCHASTIC)
-    model, opt = _single("adamw", STOCHASTIC, world=1)
+        run_ranks(_run_worker, world, str(tmp_path / f"w{world}"), kind, STOCHASTIC)
+    model, opt = _single(kind, STOCHASTIC, world=1)
     _assert_same(load(tmp_path / "w1", 1)[0], _result(model, opt), "world 1")
 
     ranks = load(tmp_path / "w2", 2)
-    fp32_model, _ = _single("adamw", {})
+    names = {"exp_avg", "exp_avg_sq"} if kind == "adamw" else {"momentum_buffer"}
+    assert sum(got["bytes"] for got in ranks) == 2 * len(names) * 136 + 4 * 3  # bf16 moments only
+    fp32_model, _ = _single(kind, {})
     for r, got in enumerate(ranks):
         for i, st in got["state"]["state"].items():
-            assert set(st) == {"exp_avg", "exp_avg_sq", "step"}, f"rank {r}: no master in this mode"
-            assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16
+            assert set(st) - {"step"} == names, f"rank {r}: no master in this mode"
+            assert all(st[name].dtype == torch.bfloat16 for name in names)
         _assert_same(got, ranks[0], f"rank {r} against rank 0")
         _assert_same(got["around"]["after"], got["around"]["before"], f"rank {r}, the skipped step")
-        for i, p in enumerate(fp32_model.parameters()):  # 4 updates (one step skipped), each 1 rounding apart
-            _assert_within_ulps(f"rank {r} param[{i}]", got["params"][i], p.detach(), STEPS)
+        if kind == "adamw":  # 4 updates (one step skipped), each 1 rounding apart
+            for i, p in enumerate(fp32_model.parameters()):
+                _assert_within_ulps(f"rank {r} param[{i}]", got["params"][i], p.detach(), STEPS)
 
 
 def _resume_worker(rank, world, out, options, ckpt, phase):
