@@ -26,6 +26,8 @@ SCALAR_CODES: Dict[torch.dtype, int] = {torch.float32: 0, torch.float64: 3}
 NATIVE_DTYPES = tuple(DTYPE_CODES)
 _NATIVE_SET = frozenset(NATIVE_DTYPES)
 STATE_ALIGN = 4  # elements between parameter starts in a flat state buffer (ops.reference.STATE_ALIGN)
+# storage codes of the moments (StepArgs::state_dtype): fp32, bf16 (16-bit moments), uint8 (8-bit moments)
+STATE_CODES: Dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 4}
 NO_GRAD = -1  # numel of a table row whose parameter has no gradient this step (step_args.h: kNoGrad)
 ALIGN = 16  # bytes: the step kernels use 128-bit vector loads and stores
 
@@ -154,7 +156,8 @@ def check_flat(name: str, t: Tensor, dtypes: Sequence[torch.dtype], device: torc
 
 
 def check_step(backend: str, params, grads, master: Optional[Tensor], states, steps: Tensor, partials: Tensor,
-               inv_scale: Tensor, lr: Tensor, out_stats: Tensor, seed: Optional[Tensor] = None) -> tuple:
+               inv_scale: Tensor, lr: Tensor, out_stats: Tensor, seed: Optional[Tensor] = None,
+               state_scales: Optional[Tensor] = None) -> tuple:
     """What a native step kernel relies on beyond :func:`ampfused.ops.checks.step_inputs` (which the ops run
     first): native dtypes, fp32 flat state buffers that start 16-byte aligned, one gradient dtype (compact
     state: int16 remainders, bf16 moments, an int64 seed). Returns the kernels' compact-state arguments
@@ -162,7 +165,7 @@ def check_step(backend: str, params, grads, master: Optional[Tensor], states, st
     from .ops import state_precision as sp
     dev = steps.device
     states = list(states)
-    fmt = sp.step_format(params, master, states, seed)
+    fmt = sp.step_format(params, master, states, seed, state_scales)
     compact = fmt.master != sp.MASTER_FP32 or fmt.state_dtype is not None
     if params:
         _dtype_rule("params[0]", params[0], NATIVE_DTYPES, backend)
@@ -170,7 +173,7 @@ def check_step(backend: str, params, grads, master: Optional[Tensor], states, st
     if g is not None:
         _dtype_rule("grads", g, NATIVE_DTYPES, backend)
     if compact:
-        _check_compact(backend, fmt, master, states, seed, dev)
+        _check_compact(backend, fmt, master, states, seed, dev, state_scales)
     elif master is not None:
         _dtype_rule("master", master, (torch.float32,), backend)
     elif params and params[0].dtype != torch.float32:
@@ -188,8 +191,22 @@ def check_step(backend: str, params, grads, master: Optional[Tensor], states, st
     check_scalar("inv_scale", inv_scale, (torch.float32,), dev, backend)
     _dtype_rule("steps", steps, tuple(SCALAR_CODES), backend)
     if compact:
-        return fmt.master, DTYPE_CODES[fmt.state_dtype or torch.float32], ptr(seed)
+        return fmt.master, STATE_CODES[fmt.state_dtype or torch.float32], ptr(seed)
     return 0, 0, 0
+
+
+def q8_args(state_scales: Optional[Tensor]) -> tuple:
+    """The kernels' 8-bit moment arguments after :func:`compact_args`: the block scales' address and columns
+    (``(0, 0)`` without 8-bit moments)."""
+    if state_scales is None:
+        return 0, 0
+    return state_scales.data_ptr(), state_scales.shape[-1]
+
+
+def layout_align(state: Optional[Tensor]) -> int:
+    """Elements between parameter starts of a step whose moments are ``state`` (any of them, or None)."""
+    from .ops import state_precision as sp
+    return sp.QBLOCK if state is not None and state.dtype == torch.uint8 else STATE_ALIGN
 
 
 def compact_args(param_dtype, master: Optional[Tensor], state: Optional[Tensor], seed: Optional[Tensor]) -> tuple:
@@ -201,11 +218,11 @@ def compact_args(param_dtype, master: Optional[Tensor], state: Optional[Tensor],
         fmt = 2
     else:
         fmt = 0
-    bf16 = state is not None and state.dtype == torch.bfloat16
-    return fmt, DTYPE_CODES[torch.bfloat16 if bf16 else torch.float32], ptr(seed)
+    code = STATE_CODES.get(state.dtype, 0) if state is not None else 0
+    return fmt, code, ptr(seed)
 
 
-def _check_compact(backend: str, fmt, master, states, seed, dev) -> None:
+def _check_compact(backend: str, fmt, master, states, seed, dev, state_scales=None) -> None:
     """check_step's rules for compact state (the tensors' dtypes were matched by state_precision.step_format)."""
     from .ops import state_precision as sp
     if master is not None:
@@ -217,6 +234,12 @@ def _check_compact(backend: str, fmt, master, states, seed, dev) -> None:
                              f"address {s.data_ptr():#x}")
     if seed is not None:
         check_scalar("seed", seed, (torch.int64,), dev, backend)
+    if state_scales is not None:
+        check_device("state_scales", state_scales, dev)
+        given = sum(1 for _, s in states if s is not None)
+        if state_scales.dim() != 2 or state_scales.shape[0] != given or not state_scales.is_contiguous():
+            raise ValueError(f"state_scales must be a contiguous [{given}, blocks] fp32 tensor (one row per moment) "
+                             f"for the {backend} backend, got shape {list(state_scales.shape)}")
 
 
 def check_state_sizes(backend: str, buffers, total: int, device: torch.device) -> None:
@@ -230,14 +253,15 @@ def check_state_sizes(backend: str, buffers, total: int, device: torch.device) -
                              f"params) for the {backend} backend, got shape {tuple(t.shape)}, stride {t.stride()}")
 
 
-def step_table(params, grads) -> Tuple[List[int], int]:
+def step_table(params, grads, align: int = STATE_ALIGN) -> Tuple[List[int], int]:
     """The tensor table of a step as a flat list of ints (``T`` rows of ``TABLE_COLS``: param address, grad
     address, numel or ``NO_GRAD`` for a parameter without a gradient, state offset; see step_args.h) and the
-    size of the flat state buffers, laid out as :func:`ampfused.ops.state_layout` lays them out, in one pass
-    over the tensors (the per-step host work of the native and Triton steps)."""
+    size of the flat state buffers, laid out as :func:`ampfused.ops.state_layout` lays them out (``align``: a
+    power of two, ``state_precision.layout_align`` of the step's format), in one pass over the tensors (the
+    per-step host work of the native and Triton steps)."""
     rows: List[int] = []
     total = 0
-    up = STATE_ALIGN - 1
+    up = align - 1
     for p, g in zip(params, grads):
         n = p.numel()
         offset = (total + up) & ~up

@@ -147,7 +147,8 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
                exp_avg_sq: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
                out_stats: Tensor, *, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                weight_decay: float = 0.0, max_norm: float = math.inf, decoupled: bool = False,
-               maximize: bool = False, seed: Optional[Tensor] = None, backend: Optional[str] = None) -> None:
+               maximize: bool = False, seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None,
+               backend: Optional[str] = None) -> None:
     """Fused Adam/AdamW step (K2) over parameters where they live and flat optimizer state.
 
     params: list of T dense tensors (one dtype, fp32/bf16/fp16; any memory layout), updated in place;
@@ -157,45 +158,59 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
     counts; partials ``[2, P]`` from :func:`norm_check`; inv_scale, lr: 0-d fp32; out_stats: ``[2]`` fp32.
     A single flat parameter may be passed as a tensor (with its gradient as a tensor and a 0-d step).
     Math: :func:`reference.adam_step_`. Compact state (``docs/state-precision.md``): ``master`` int16 (master
-    remainders of bf16 params), ``master=None`` with bf16 params (stochastic rounding), bf16 moments; ``seed``
-    (0-d int64) keys the stochastic rounding and is required by the last two.
+    remainders of bf16 params), ``master=None`` with bf16 params (stochastic rounding), bf16 moments, uint8
+    moments (8-bit codes; the flat buffers laid out by ``state_layout(numels, QBLOCK)``, ``state_scales`` the
+    ``[2, blocks]`` fp32 block scales); ``seed`` (0-d int64) keys the stochastic rounding and is required by all
+    but the remainders.
     """
     params, grads, steps = _as_lists(params, grads, steps)
     checks.step_inputs(params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], steps,
-                       partials, inv_scale, lr, out_stats, seed)
+                       partials, inv_scale, lr, out_stats, seed, state_scales)
     checks.scalars(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, max_norm=max_norm)
     name = _pick(steps.device, _step_dtypes(params, grads, master), backend)
     _call("adam_step_", steps, params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
           out_stats, float(beta1), float(beta2), float(eps), float(weight_decay), float(max_norm),
-          bool(decoupled), bool(maximize), name, **({"seed": seed} if seed is not None else {}))
+          bool(decoupled), bool(maximize), name, **_compact_kwargs(seed, state_scales))
 
 
 def adamw_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats, *,
                 beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2, max_norm=math.inf, maximize=False,
-                seed=None, backend=None) -> None:
+                seed=None, state_scales=None, backend=None) -> None:
     """Fused AdamW step (decoupled weight decay); see :func:`adam_step_`."""
     adam_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, max_norm=max_norm,
-               decoupled=True, maximize=maximize, seed=seed, backend=backend)
+               decoupled=True, maximize=maximize, seed=seed, state_scales=state_scales, backend=backend)
 
 
 def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
               momentum_buf: Optional[Tensor], steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
               out_stats: Tensor, *, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
               nesterov: bool = False, max_norm: float = math.inf, maximize: bool = False,
-              seed: Optional[Tensor] = None, backend: Optional[str] = None) -> None:
+              seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None,
+              backend: Optional[str] = None) -> None:
     """Fused SGD step; tensors as :func:`adam_step_` (``momentum_buf`` a flat buffer, needed when
-    ``momentum != 0``); math in :func:`reference.sgd_step_`."""
+    ``momentum != 0``; uint8 with ``state_scales`` ``[1, blocks]``); math in :func:`reference.sgd_step_`."""
     params, grads, steps = _as_lists(params, grads, steps)
     states = [("momentum_buf", momentum_buf)] if momentum != 0 else []
     if momentum != 0 and momentum_buf is None:
         raise ValueError("momentum_buf is required when momentum != 0")
-    checks.step_inputs(params, grads, master, states, steps, partials, inv_scale, lr, out_stats, seed)
+    checks.step_inputs(params, grads, master, states, steps, partials, inv_scale, lr, out_stats, seed, state_scales)
     checks.scalars(momentum=momentum, dampening=dampening, weight_decay=weight_decay, max_norm=max_norm)
     name = _pick(steps.device, _step_dtypes(params, grads, master), backend)
     _call("sgd_step_", steps, params, grads, master, momentum_buf if momentum != 0 else None, steps, partials,
           inv_scale, lr, out_stats, float(momentum), float(dampening), float(weight_decay), bool(nesterov),
-          float(max_norm), bool(maximize), name, **({"seed": seed} if seed is not None else {}))
+          float(max_norm), bool(maximize), name, **_compact_kwargs(seed, state_scales))
+
+
+def _compact_kwargs(seed: Optional[Tensor], state_scales: Optional[Tensor]) -> dict:
+    """The compact-state arguments of a step op, given only when set (a backend without compact state keeps
+    its signature)."""
+    kw = {}
+    if seed is not None:
+        kw["seed"] = seed
+    if state_scales is not None:
+        kw["state_scales"] = state_scales
+    return kw
 
 
 def call_update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
@@ -218,9 +233,9 @@ def step_backend(device, dtypes: tuple, backend: Optional[str] = None) -> str:
     return _pick(torch.device(device), dtypes, backend)
 
 
-def call_step_(op: str, *args, seed: Optional[Tensor] = None) -> None:
+def call_step_(op: str, *args, seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None) -> None:
     """Run a step op (``"adam_step_"`` / ``"sgd_step_"``) with arguments already in the op's form and already
     validated, the backend name last (``seed``: the stochastic rounding's, for compact state): the fused
     optimizers validate what changed on the host and call this each step, so a step does not re-check every
     tensor."""
-    _call(op, args[5] if op == "adam_step_" else args[4], *args, **({"seed": seed} if seed is not None else {}))
+    _call(op, args[5] if op == "adam_step_" else args[4], *args, **_compact_kwargs(seed, state_scales))

@@ -82,7 +82,7 @@ def same_layout(a: Tensor, b: Tensor) -> bool:
 
 def step_inputs(params: Sequence[Tensor], grads: Sequence[Optional[Tensor]], master: Optional[Tensor],
                 states: Iterable[tuple], steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
-                out_stats: Tensor, seed: Optional[Tensor] = None) -> None:
+                out_stats: Tensor, seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None) -> None:
     """Shared rules of the optimizer-step ops (see ``reference.adam_step_`` for the layout; compact state in
     ``state_precision``)."""
     from . import state_precision as sp
@@ -121,21 +121,29 @@ def step_inputs(params: Sequence[Tensor], grads: Sequence[Optional[Tensor]], mas
             raise ValueError(f"grads[{i}] (shape {tuple(g.shape)}, stride {g.stride()}) must have the shape and "
                              f"memory layout of params[{i}] (shape {tuple(p.shape)}, stride {p.stride()})")
     states = list(states)
-    fmt = sp.step_format(params, master, states, seed)
+    fmt = sp.step_format(params, master, states, seed, state_scales)
     if seed is not None:
         tensor("seed", seed, dtypes=(torch.int64,), device=dev, scalar=True)
     if pdtype in LOW_PRECISION and master is None and fmt.master != sp.MASTER_NONE:
         raise ValueError(f"params have dtype {pdtype}: a {pdtype} parameter needs an fp32 master buffer "
                          "(pass master=...), int16 master remainders, or no master with seed= (bfloat16 params, "
                          "stochastic rounding)")
-    _, total = state_layout([p.numel() for p in params])
+    _, total = state_layout([p.numel() for p in params], sp.layout_align(fmt))
     if master is not None:
         tensor("master", master, dtypes=(torch.float32, torch.float64, torch.int16), flat=True, device=dev,
                numel=total)
     cd = torch.float32 if fmt.master != sp.MASTER_FP32 else compute_dtype_of(params, master)
     for sname, s in states:
-        tensor(sname, s, dtypes=(cd, torch.bfloat16) if cd == torch.float32 else (cd,), flat=True, device=dev,
-               numel=total)
+        tensor(sname, s, dtypes=(cd,) + sp.COMPACT_STATE_DTYPES if cd == torch.float32 else (cd,), flat=True,
+               device=dev, numel=total)
+    if state_scales is not None:
+        given = sum(1 for _, s in states if s is not None)
+        shape = (given, -(-total // sp.QBLOCK))
+        tensor("state_scales", state_scales, dtypes=(torch.float32,), device=dev)
+        if tuple(state_scales.shape) != shape or not state_scales.is_contiguous():
+            raise ValueError(f"state_scales must be a contiguous fp32 tensor of shape {list(shape)} (one row per "
+                             f"moment, one column per block of {sp.QBLOCK} elements of the flat buffers), got "
+                             f"shape {list(state_scales.shape)}, stride {state_scales.stride()}")
     tensor("inv_scale", inv_scale, dtypes=(torch.float32,), device=dev, scalar=True)
     tensor("lr", lr, dtypes=(torch.float32, torch.float64), device=dev, scalar=True)
     tensor("partials", partials, dtypes=(torch.float32,), device=dev)
@@ -145,7 +153,7 @@ def step_inputs(params: Sequence[Tensor], grads: Sequence[Optional[Tensor]], mas
     if not out_stats.is_contiguous():
         raise ValueError("out_stats must be contiguous")
     if dev.type != "meta":
-        _no_overlap(params, master, states, steps)
+        _no_overlap(params, master, states, steps, state_scales)
         seen = {}
         for i, p in enumerate(params):
             if p.numel():
@@ -164,9 +172,9 @@ def _span(t: Tensor) -> tuple:
     return start, start + t.numel() * t.element_size()
 
 
-def _no_overlap(params, master, states, steps) -> None:
+def _no_overlap(params, master, states, steps, state_scales=None) -> None:
     """The buffers a step writes must not share memory: each flat buffer with the others and the params."""
-    flat = [(n, t) for n, t in [("master", master)] + list(states) + [("steps", steps)]
+    flat = [(n, t) for n, t in [("master", master)] + list(states) + [("steps", steps), ("state_scales", state_scales)]
             if t is not None and t.numel()]
     spans = [(n, _span(t)) for n, t in flat]
     for i, (na, (a0, a1)) in enumerate(spans):

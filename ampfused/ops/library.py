@@ -47,15 +47,23 @@ def _(*args):
     return None
 
 
+def _scales(state_scales: Optional[Tensor]) -> dict:
+    """``state_scales`` (8-bit moments' block scales) passed to a backend only when given: a backend written
+    before 8-bit moments keeps its signature."""
+    return {} if state_scales is None else {"state_scales": state_scales}
+
+
 @torch.library.custom_op("ampfused::adam_step_",
-                         mutates_args=("params", "master", "exp_avg", "exp_avg_sq", "steps", "out_stats"))
+                         mutates_args=("params", "master", "exp_avg", "exp_avg_sq", "steps", "out_stats",
+                                       "state_scales"))
 def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,
                exp_avg_sq: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
                beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float, decoupled: bool,
-               maximize: bool, backend: str, seed: Optional[Tensor] = None) -> None:
+               maximize: bool, backend: str, seed: Optional[Tensor] = None,
+               state_scales: Optional[Tensor] = None) -> None:
     get_backend(backend).adam_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
                                     out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize,
-                                    seed=seed)
+                                    seed=seed, **_scales(state_scales))
 
 
 @adam_step_.register_fake
@@ -64,13 +72,15 @@ def _(*args):
 
 
 @torch.library.custom_op("ampfused::sgd_step_",
-                         mutates_args=("params", "master", "momentum_buf", "steps", "out_stats"))
+                         mutates_args=("params", "master", "momentum_buf", "steps", "out_stats", "state_scales"))
 def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
               momentum_buf: Optional[Tensor], steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
               out_stats: Tensor, momentum: float, dampening: float, weight_decay: float, nesterov: bool,
-              max_norm: float, maximize: bool, backend: str, seed: Optional[Tensor] = None) -> None:
+              max_norm: float, maximize: bool, backend: str, seed: Optional[Tensor] = None,
+              state_scales: Optional[Tensor] = None) -> None:
     get_backend(backend).sgd_step_(params, grads, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
-                                   momentum, dampening, weight_decay, nesterov, max_norm, maximize, seed=seed)
+                                   momentum, dampening, weight_decay, nesterov, max_norm, maximize, seed=seed,
+                                   **_scales(state_scales))
 
 
 @sgd_step_.register_fake

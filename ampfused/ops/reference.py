@@ -148,17 +148,18 @@ def _prologue(partials: Tensor, inv_scale: Tensor, max_norm: float, out_stats: T
     return coef, found_inf > 0
 
 
-def state_layout(numels: Sequence[int]) -> Tuple[List[int], int]:
+def state_layout(numels: Sequence[int], align: int = STATE_ALIGN) -> Tuple[List[int], int]:
     """Where each parameter's optimizer state lives in a flat state buffer: ``(offsets, total)``.
 
     Parameter ``i`` (``numels[i]`` elements) owns ``[offsets[i], offsets[i] + numels[i])``; each offset is a
-    multiple of ``STATE_ALIGN`` elements (16 bytes of fp32, so vector loads stay aligned) and ``total`` ends
+    multiple of ``align`` elements (``STATE_ALIGN``: 16 bytes of fp32, so vector loads stay aligned; 8-bit
+    moments: ``state_precision.QBLOCK``, so a block of codes never holds two parameters) and ``total`` ends
     right after the last parameter. The gaps between parameters are never read or written by the steps.
     """
     offsets: List[int] = []
     total = 0
     for n in numels:
-        off = -(-total // STATE_ALIGN) * STATE_ALIGN
+        off = -(-total // align) * align
         offsets.append(off)
         total = off + int(n)
     return offsets, total
@@ -181,10 +182,13 @@ class _Compact:
     """How one step loads and stores its weights and moments: the state precision of its buffers
     (:mod:`ampfused.ops.state_precision`). In the fp32 format every method is the plain load or store."""
 
-    def __init__(self, params, master, states, seed):
-        self.fmt = sp.step_format(params, master, states, seed)
+    def __init__(self, params, master, states, seed, state_scales=None):
+        self.fmt = sp.step_format(params, master, states, seed, state_scales)
         self.seed = seed
         self.master = master
+        self.scales = state_scales
+        self.align = sp.layout_align(self.fmt)
+        self._names = [n for n, t in states if t is not None]
         if self.fmt.master != sp.MASTER_FP32:
             self.cd = torch.float32
         else:
@@ -211,11 +215,30 @@ class _Compact:
             return [(w, w_new), (pm, w_new.to(pm.dtype))]
         return [(w, w_new)]
 
-    def state_pair(self, s: Tensor, s_new: Tensor, stream: int, t: Tensor, sl: slice) -> tuple:
-        """``(state slice, new value)``: bf16 moments stored with stochastic rounding."""
+    def _blocks(self, sl: slice) -> slice:
+        """A parameter's blocks of 8-bit codes (its slice starts at a multiple of QBLOCK)."""
+        first = sl.start // sp.QBLOCK
+        return slice(first, first + sp.q8_blocks(sl.stop - sl.start))
+
+    def load_state(self, s: Tensor, row: int, sl: slice) -> Tensor:
+        """A moment's compute copy: 8-bit codes decoded with their blocks' scales (row ``row`` of
+        ``state_scales``), other formats converted exactly."""
+        if self.fmt.state_dtype == torch.uint8:
+            return sp.q8_dequantize(s, self.scales[row, self._blocks(sl)], sp.q8_signed(self._names[row]))
+        return s.to(self.cd)
+
+    def state_pairs(self, s: Tensor, s_new: Tensor, row: int, t: Tensor, sl: slice) -> list:
+        """``(tensor, new value)`` for a moment (row ``row`` of the step's moments, stream ``row + 1``): bf16
+        moments stored with stochastic rounding; 8-bit ones as codes (stochastic rounding) and their blocks'
+        new scales."""
+        stream = sp.STREAM_STATE1 + row
         if self.fmt.state_dtype == torch.bfloat16:
-            return s, sp.round_stochastic(s_new, self._rand(stream, t, sl, s.numel()))
-        return s, s_new
+            return [(s, sp.round_stochastic(s_new, self._rand(stream, t, sl, s.numel())))]
+        if self.fmt.state_dtype == torch.uint8:
+            codes, scales = sp.q8_quantize(s_new, sp.q8_signed(self._names[row]),
+                                           self._rand(stream, t, sl, s.numel()))
+            return [(s, codes), (self.scales[row, self._blocks(sl)], scales)]
+        return [(s, s_new)]
 
 
 def _commit(skip: Tensor, pairs) -> None:
@@ -224,10 +247,11 @@ def _commit(skip: Tensor, pairs) -> None:
         dst.copy_(torch.where(skip, dst, new))
 
 
-def _tensors_to_update(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor]):
+def _tensors_to_update(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
+                       align: int = STATE_ALIGN):
     """``(i, param in memory order, grad in memory order, compute copy, state slice)`` per parameter with a
     gradient, in order."""
-    offsets, _ = state_layout([p.numel() for p in params])
+    offsets, _ = state_layout([p.numel() for p in params], align)
     for i, (p, g) in enumerate(zip(params, grads)):
         if g is None:
             continue
@@ -239,7 +263,8 @@ def _tensors_to_update(params: List[Tensor], grads: List[Optional[Tensor]], mast
 def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,
                exp_avg_sq: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
                beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float,
-               decoupled: bool, maximize: bool = False, seed: Optional[Tensor] = None) -> None:
+               decoupled: bool, maximize: bool = False, seed: Optional[Tensor] = None,
+               state_scales: Optional[Tensor] = None) -> None:
     """One Adam (``decoupled=False``, L2 decay) or AdamW (``decoupled=True``) step over a list of parameters.
 
     With ``c = inv_scale * min(1, max_norm / (norm + 1e-6))`` and, for each parameter ``i`` that has a
@@ -266,15 +291,20 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
     split_master(w)`` after); ``master=None`` with bf16 params and a ``seed`` (0-d int64) updates the weights
     in fp32 and stores them with ``round_stochastic`` (stream 0); bf16 ``exp_avg``/``exp_avg_sq`` are loaded
     exactly and stored with ``round_stochastic`` (streams 1, 2). Draws are keyed by (seed, t, stream, the
-    element's index in the flat buffers). The math in between is the fp32 step above.
+    element's index in the flat buffers). The math in between is the fp32 step above. uint8 ``exp_avg`` /
+    ``exp_avg_sq`` are 8-bit moments (``state_precision.q8_encode``): parameters start at multiples of
+    ``QBLOCK`` in the flat buffers (``state_layout(numels, QBLOCK)``), ``state_scales`` (``[2, blocks]`` fp32)
+    holds each block's scale; a moment is decoded with its blocks' scales, and stored as the codes of its new
+    value (stochastic rounding, streams 1, 2) with each block's new scale, taken from the block's largest new
+    value.
     """
-    cx = _Compact(params, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], seed)
+    cx = _Compact(params, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], seed, state_scales)
     cd = cx.cd
     coef, skip = _prologue(partials, inv_scale, max_norm, out_stats, cd)
     lr_c = lr.to(cd)
-    for i, pm, gm, w_buf, sl in _tensors_to_update(params, grads, master):
+    for i, pm, gm, w_buf, sl in _tensors_to_update(params, grads, master, cx.align):
         m_buf, v_buf = exp_avg[sl], exp_avg_sq[sl]
-        w, m, v = cx.load_weight(pm, w_buf), m_buf.to(cd), v_buf.to(cd)
+        w, m, v = cx.load_weight(pm, w_buf), cx.load_state(m_buf, 0, sl), cx.load_state(v_buf, 1, sl)
         g = gm.to(cd) * coef
         if maximize:
             g = -g
@@ -290,23 +320,23 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
         step_size = lr_c / bias_correction(beta1, t)
         denom = v_new.sqrt() / bias_correction(beta2, t).sqrt() + eps
         w_new = w_new - step_size * m_new / denom
-        _commit(skip, [cx.state_pair(m_buf, m_new, sp.STREAM_STATE1, t, sl),
-                       cx.state_pair(v_buf, v_new, sp.STREAM_STATE2, t, sl)]
+        _commit(skip, cx.state_pairs(m_buf, m_new, 0, t, sl) + cx.state_pairs(v_buf, v_new, 1, t, sl)
                 + cx.weight_pairs(pm, w_buf, w_new, t, sl))
         steps[i] += (~skip).to(steps.dtype)
 
 
 def adamw_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
-                beta1, beta2, eps, weight_decay, max_norm, maximize=False, seed=None) -> None:
+                beta1, beta2, eps, weight_decay, max_norm, maximize=False, seed=None, state_scales=None) -> None:
     """AdamW (decoupled weight decay); see :func:`adam_step_`."""
     adam_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
-               beta1, beta2, eps, weight_decay, max_norm, True, maximize, seed)
+               beta1, beta2, eps, weight_decay, max_norm, True, maximize, seed, state_scales)
 
 
 def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
               momentum_buf: Optional[Tensor], steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
               out_stats: Tensor, momentum: float, dampening: float, weight_decay: float, nesterov: bool,
-              max_norm: float, maximize: bool = False, seed: Optional[Tensor] = None) -> None:
+              max_norm: float, maximize: bool = False, seed: Optional[Tensor] = None,
+              state_scales: Optional[Tensor] = None) -> None:
     """One SGD step with torch's semantics over a list of parameters (layout as :func:`adam_step_`).
 
     For each parameter ``i`` with a gradient::
@@ -317,14 +347,14 @@ def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optio
         w = w - lr * g;  param = round(w);  steps[i] = steps[i] + 1
 
     ``momentum_buf`` is required (a flat buffer like the master) when ``momentum != 0``, else ignored.
-    Compact state as :func:`adam_step_` (a bf16 ``momentum_buf`` is stored with stream 1); ``t = steps[i] + 1``
-    keys the draws.
+    Compact state as :func:`adam_step_` (a bf16 or uint8 ``momentum_buf`` is stored with stream 1, its 8-bit
+    codes signed, its block scales in ``state_scales[0]``); ``t = steps[i] + 1`` keys the draws.
     """
-    cx = _Compact(params, master, [("momentum_buf", momentum_buf if momentum != 0 else None)], seed)
+    cx = _Compact(params, master, [("momentum_buf", momentum_buf if momentum != 0 else None)], seed, state_scales)
     cd = cx.cd
     coef, skip = _prologue(partials, inv_scale, max_norm, out_stats, cd)
     lr_c = lr.to(cd)
-    for i, pm, gm, w_buf, sl in _tensors_to_update(params, grads, master):
+    for i, pm, gm, w_buf, sl in _tensors_to_update(params, grads, master, cx.align):
         w = cx.load_weight(pm, w_buf)
         t = steps[i].to(cd) + 1
         g = gm.to(cd) * coef
@@ -335,8 +365,8 @@ def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optio
         pairs = []
         if momentum != 0:
             b_buf = momentum_buf[sl]
-            b_new = torch.where(steps[i] == 0, g, b_buf.to(cd) * momentum + (1 - dampening) * g)
-            pairs.append(cx.state_pair(b_buf, b_new, sp.STREAM_STATE1, t, sl))
+            b_new = torch.where(steps[i] == 0, g, cx.load_state(b_buf, 0, sl) * momentum + (1 - dampening) * g)
+            pairs += cx.state_pairs(b_buf, b_new, 0, t, sl)
             g = g + momentum * b_new if nesterov else b_new
         w_new = w - lr_c * g
         _commit(skip, pairs + cx.weight_pairs(pm, w_buf, w_new, t, sl))

@@ -8,7 +8,9 @@ A step's state precision is read from its buffers, never from a flag of its own 
   parameters with a ``seed``: *no master*, the bf16 weights are updated in fp32 and rounded back
   stochastically.
 * moments (``exp_avg``, ``exp_avg_sq``, ``momentum_buf``) fp32, or bf16: *16-bit moments*, loaded exactly and
-  stored with stochastic rounding.
+  stored with stochastic rounding, or uint8: *8-bit moments*, codes of a block-scaled 8-bit float format
+  (:func:`q8_encode`) with one power-of-two scale per block of ``QBLOCK`` elements in a ``state_scales`` tensor
+  (``[moments, blocks]`` fp32), stored with stochastic rounding too.
 
 Stochastic rounding draws 16 bits per element from a counter-based generator (:func:`random_bits`): a hash of
 (seed, the parameter's step number ``t``, a stream id, the element's index in the flat state buffers). Nothing
@@ -123,13 +125,130 @@ def join_master(weight: Tensor, remainder: Tensor) -> Tensor:
     return torch.where(u >= 0x80000000, u - (1 << 32), u).to(torch.int32).view(torch.float32)
 
 
+# ---- 8-bit moments ------------------------------------------------------------------------------------------
+#
+# A moment buffer of dtype uint8 holds one code per element; blocks of QBLOCK consecutive elements of the flat
+# buffer share a scale S = 2**(E - 127), E the block's exponent (an fp32 power of two in ``state_scales``).
+# Parameters start at multiples of QBLOCK in this format (``state_layout(numels, QBLOCK)``), so a block never
+# holds two parameters and each parameter's blocks are its own (in checkpoints too).
+#
+# The code is a small float relative to S: exp_avg and momentum_buf signed (sign bit, 4 exponent bits, 3
+# mantissa bits), exp_avg_sq unsigned (5 exponent bits, 3 mantissa bits; its values are >= 0 and span many
+# more binades). A code of exponent field e >= 1 and mantissa f is (1 + f / 8) * 2**(e - top) * S; e == 0 is
+# the subnormal range, f * 2**(1 - top - 3) * S, the same spacing as e == 1. ``top`` (14 signed, 30 unsigned)
+# is the exponent field of the block's largest value, so a block spans 2**-13 (signed) and 2**-29 (unsigned)
+# of its largest value in normal codes, 3 more binades in subnormal ones; the field above ``top`` is reached
+# only by rounding up the largest value. The block exponent E is that of the block's largest magnitude,
+# clamped to [Q8_MIN_EXP, Q8_MAX_EXP] so that every code decodes to a normal fp32 value or zero with exact
+# integer and power-of-two arithmetic (no fp32 subnormals anywhere: a device that flushes them gives the same
+# bits). A non-finite value saturates to the largest code.
+#
+# Stochastic rounding: the 24-bit significand of |x| is shifted right by the bits the code drops (20, more
+# in the subnormal range) after adding that many low bits of the element's random draw, so the stored value
+# is x in expectation (E[decode] = x). Beyond 31 dropped bits (below 2**-8 of the smallest subnormal code)
+# the value is stored as zero.
+
+QBLOCK = 256
+Q8_MIN_EXP, Q8_MAX_EXP = 40, 253
+Q8_TOP = {True: 14, False: 30}        # exponent field of a block's largest value: signed, unsigned codes
+Q8_MAX_MAG = {True: 0x7F, False: 0xFF}
+INF_BITS = 0x7F800000
+
+
+def q8_signed(name: str) -> bool:
+    """Whether a moment's codes are signed: all but ``exp_avg_sq`` (never negative)."""
+    return name != "exp_avg_sq"
+
+
+def q8_abs_bits(x: Tensor) -> Tensor:
+    """|x|'s fp32 bits (int64), a NaN counted as inf: the values a block's exponent is taken from."""
+    return torch.clamp(_bits(x) & 0x7FFFFFFF, max=INF_BITS)
+
+
+def q8_block_exponent(max_abs_bits):
+    """A block's exponent E from the largest :func:`q8_abs_bits` of its new values (0 for an all-zero block)."""
+    return torch.clamp(max_abs_bits >> 23, Q8_MIN_EXP, Q8_MAX_EXP)
+
+
+def q8_scale(exponent: Tensor) -> Tensor:
+    """The fp32 scale ``2**(E - 127)`` of block exponents E (int64)."""
+    return (exponent << 23).to(torch.int32).view(torch.float32)
+
+
+def q8_exponent(scale: Tensor) -> Tensor:
+    """Block exponents E (int64) of a scale tensor: its exponent field, clamped like :func:`q8_block_exponent`
+    (only the exponent is read; a zero scale, as in fresh state, reads as ``Q8_MIN_EXP``)."""
+    return torch.clamp((_bits(scale) >> 23) & 0xFF, Q8_MIN_EXP, Q8_MAX_EXP)
+
+
+def q8_encode(x: Tensor, exponent: Tensor, rand: Optional[Tensor], signed: bool) -> Tensor:
+    """fp32 values -> uint8 codes, each with its block's exponent (``exponent`` broadcast per element), rounded
+    stochastically with the low bits of ``rand`` (int64 values in [0, 2**32)), or to nearest (ties up in
+    magnitude) when ``rand`` is None (conversions of loaded fp32 state)."""
+    top, max_mag = Q8_TOP[signed], Q8_MAX_MAG[signed]
+    u = _bits(x)
+    a = torch.clamp(u & 0x7FFFFFFF, max=INF_BITS)
+    ex = a >> 23
+    sig = (a & 0x7FFFFF) | torch.where(ex > 0, 0x800000, 0)
+    e = torch.clamp(ex, min=1) - exponent + top          # the code's exponent field (may be <= 0)
+    shift = 20 + torch.clamp(1 - e, min=0)                 # significand bits the code drops
+    s = torch.clamp(shift, max=31)
+    if rand is None:
+        add = (1 << (s - 1))
+    else:
+        add = rand & ((1 << s) - 1)
+    q = torch.where(shift > 31, 0, (sig + add) >> s)
+    mag = torch.clamp((torch.clamp(e, min=1) - 1) * 8 + q, max=max_mag)
+    code = mag | ((u >> 24) & 0x80) if signed else mag
+    return code.to(torch.uint8)
+
+
+def q8_decode(code: Tensor, exponent: Tensor, signed: bool) -> Tensor:
+    """uint8 codes -> fp32 values with their blocks' exponents (broadcast per element); exact."""
+    top = Q8_TOP[signed]
+    c = code.to(torch.int64)
+    mag = c & (0x7F if signed else 0xFF)
+    e, f = mag >> 3, mag & 7
+    normal = (((exponent - top + e) << 23) | (f << 20))
+    unit = ((exponent - top - 2) << 23).to(torch.int32).view(torch.float32)      # 2**(E - top - 129)
+    value = torch.where(e > 0, normal.to(torch.int32).view(torch.float32), f.to(torch.float32) * unit)
+    return torch.where((c & 0x80) > 0, -value, value) if signed else value
+
+
+def q8_blocks(n: int) -> int:
+    """Blocks of a parameter of ``n`` elements."""
+    return -(-n // QBLOCK)
+
+
+def q8_quantize(values: Tensor, signed: bool, rand: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """One parameter's fp32 moment (1-D, in memory order) -> (uint8 codes of the same length, fp32 scales of
+    ``q8_blocks(len)`` blocks); blocks start at its first element. ``rand`` as :func:`q8_encode`."""
+    n = values.numel()
+    nb = q8_blocks(n)
+    padded = torch.zeros(nb * QBLOCK, dtype=torch.int64, device=values.device)
+    padded[:n] = q8_abs_bits(values.float())
+    exponent = q8_block_exponent(padded.view(nb, QBLOCK).amax(dim=1)) if nb else padded[:0]
+    codes = q8_encode(values.float(), exponent.repeat_interleave(QBLOCK)[:n], rand, signed)
+    return codes, q8_scale(exponent)
+
+
+def q8_dequantize(codes: Tensor, scales: Tensor, signed: bool) -> Tensor:
+    """One parameter's codes and block scales -> its fp32 moment (exact)."""
+    n = codes.numel()
+    return q8_decode(codes, q8_exponent(scales).repeat_interleave(QBLOCK)[:n], signed)
+
+
 class Format(NamedTuple):
     """What a step's buffers say about its state precision."""
     master: int               # MASTER_FP32 / MASTER_REMAINDER / MASTER_NONE
-    state_dtype: Optional[torch.dtype]  # bf16 for 16-bit moments, None when they have the compute dtype
+    state_dtype: Optional[torch.dtype]  # bf16 / uint8 for 16- / 8-bit moments, None when they have the compute dtype
 
 
-def step_format(params: Sequence[Tensor], master: Optional[Tensor], states, seed: Optional[Tensor]) -> Format:
+COMPACT_STATE_DTYPES = (torch.bfloat16, torch.uint8)
+
+
+def step_format(params: Sequence[Tensor], master: Optional[Tensor], states, seed: Optional[Tensor],
+                state_scales: Optional[Tensor] = None) -> Format:
     """The format of a step from its buffers (rules in the module docstring); raises naming the tensor and the
     rule when they do not make one. ``states``: ``(name, tensor)`` pairs (tensors may be None)."""
     pdtype = params[0].dtype if len(params) else None
@@ -142,25 +261,42 @@ def step_format(params: Sequence[Tensor], master: Optional[Tensor], states, seed
     else:
         fmt = MASTER_FP32
     given = [(n, s) for n, s in states if s is not None]
-    compact_states = [n for n, s in given if s.dtype == torch.bfloat16]
-    if compact_states and len(compact_states) != len(given):
-        other, wide = next((n, s) for n, s in given if s.dtype != torch.bfloat16)
-        raise TypeError(f"{compact_states[0]} must have dtype in ['{wide.dtype}'] like {other}, or every moment "
-                        "bfloat16 (one step stores all its moments in one precision), got torch.bfloat16")
-    state_dtype = torch.bfloat16 if compact_states else None
-    if compact_states and master is not None and master.dtype == torch.float64:
-        raise TypeError("bfloat16 moments are computed in fp32: master must not be float64")
-    if compact_states and master is None and pdtype not in (torch.float32, torch.bfloat16, None):
-        raise TypeError(f"bfloat16 moments without a master need float32 or bfloat16 params (with seed), got {pdtype}")
-    if (compact_states or fmt == MASTER_NONE) and seed is None:
-        raise ValueError(f"{compact_states[0]} is bfloat16 (16-bit moments, stored with stochastic rounding): "
-                         "pass seed= (a 0-d int64 tensor)")
+    compact = [(n, s) for n, s in given if s.dtype in COMPACT_STATE_DTYPES]
+    state_dtype = compact[0][1].dtype if compact else None
+    if compact and any(s.dtype != state_dtype for _, s in given):
+        other, wide = next((n, s) for n, s in given if s.dtype != state_dtype)
+        raise TypeError(f"{compact[0][0]} must have dtype in ['{wide.dtype}'] like {other}, or every moment "
+                        f"{state_dtype} (one step stores all its moments in one precision), got {state_dtype}")
+    label = {torch.bfloat16: "bfloat16 (16-bit moments", torch.uint8: "uint8 (8-bit moments"}.get(state_dtype)
+    if compact and master is not None and master.dtype == torch.float64:
+        raise TypeError(f"{label.split(' ')[0]} moments are computed in fp32: master must not be float64")
+    if compact and master is None and pdtype not in (torch.float32, torch.bfloat16, None):
+        raise TypeError(f"{label.split(' ')[0]} moments without a master need float32 or bfloat16 params (with "
+                        f"seed), got {pdtype}")
+    if compact and seed is None:  # (no master without a seed is the fp32 format)
+        raise ValueError(f"{compact[0][0]} is {label}, stored with stochastic rounding): pass seed= (a 0-d int64 "
+                         "tensor)")
     if seed is not None:
         if not isinstance(seed, Tensor) or seed.dtype != torch.int64 or seed.dim() != 0:
             raise TypeError("seed must be a 0-d int64 tensor (the stochastic rounding's key), got "
                             f"{getattr(seed, 'dtype', type(seed).__name__)} of shape {tuple(getattr(seed, 'shape', ()))}")
+    if state_dtype == torch.uint8:
+        if state_scales is None:
+            raise ValueError(f"{compact[0][0]} is uint8 (8-bit moments): pass state_scales= (fp32, one row per "
+                             "moment, one column per block of QBLOCK elements)")
+        if not isinstance(state_scales, Tensor) or state_scales.dtype != torch.float32:
+            raise TypeError("state_scales must be a float32 tensor (the 8-bit moments' block scales), got "
+                            f"{getattr(state_scales, 'dtype', type(state_scales).__name__)}")
+    elif state_scales is not None:
+        raise ValueError("state_scales are the block scales of 8-bit (uint8) moments; this step's moments are "
+                         f"{given[0][1].dtype if given else 'absent'}: pass state_scales=None")
     return Format(fmt, state_dtype)
 
 
+def layout_align(fmt: Format) -> int:
+    """Elements between parameter starts in the flat buffers of a step of this format (``state_layout``)."""
+    return QBLOCK if fmt.state_dtype == torch.uint8 else 4
+
+
 def uses_seed(fmt: Format) -> bool:
-    return fmt.master == MASTER_NONE or fmt.state_dtype == torch.bfloat16
+    return fmt.master == MASTER_NONE or fmt.state_dtype is not None

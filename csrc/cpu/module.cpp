@@ -211,11 +211,12 @@ void adam_step(const py::object& table, int64_t count, int param_dtype, int grad
                uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t steps, int step_code, uintptr_t partials,
                int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats,
                double beta1, double beta2, double eps, double weight_decay, double max_norm, bool decoupled,
-               bool maximize, int nthreads, int master_format, int state_dtype, uintptr_t seed) {
+               bool maximize, int nthreads, int master_format, int state_dtype, uintptr_t seed,
+               uintptr_t state_scales, int64_t scale_blocks) {
   std::vector<int64_t> keep;
   const StepArgs a = step_args(table_address(table, count, &keep), count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq,
                                steps, step_code, partials, num_partials, inv_scale, lr, lr_code, out_stats,
-                               master_format, state_dtype, seed);
+                               master_format, state_dtype, seed, state_scales, scale_blocks);
   py::gil_scoped_release nogil;
   run_step<AdamConsts>(a, max_norm, nthreads, [&](float coef, float lr_f, double step) {
     return make_adam_consts(coef, lr_f, next_step(step), beta1, beta2, eps, weight_decay, decoupled, maximize);
@@ -226,11 +227,11 @@ void sgd_step(const py::object& table, int64_t count, int param_dtype, int grad_
               uintptr_t momentum_buf, uintptr_t steps, int step_code, uintptr_t partials, int64_t num_partials,
               uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double momentum,
               double dampening, double weight_decay, bool nesterov, double max_norm, bool maximize, int nthreads,
-              int master_format, int state_dtype, uintptr_t seed) {
+              int master_format, int state_dtype, uintptr_t seed, uintptr_t state_scales, int64_t scale_blocks) {
   std::vector<int64_t> keep;
   const StepArgs a = step_args(table_address(table, count, &keep), count, param_dtype, grad_dtype, master,
                                momentum != 0.0 ? momentum_buf : 0, 0, steps, step_code, partials, num_partials, inv_scale,
-                               lr, lr_code, out_stats, master_format, state_dtype, seed);
+                               lr, lr_code, out_stats, master_format, state_dtype, seed, state_scales, scale_blocks);
   py::gil_scoped_release nogil;
   run_step<SgdConsts>(a, max_norm, nthreads, [&](float coef, float lr_f, double step) {
     return make_sgd_consts(coef, lr_f, float(step), momentum, dampening, weight_decay, nesterov, maximize);
@@ -282,19 +283,20 @@ PYBIND11_MODULE(_C, m) {
   m.def("norm_check_tables", &norm_check_tables, py::arg("tables"), py::arg("counts"), py::arg("dtypes"),
         py::arg("inv_scale"), py::arg("partials"), py::arg("num_partials"), py::arg("unscale"),
         py::arg("num_threads"));
-  // the compact state's three arguments (master format, state dtype code, seed address) come after the thread
-  // count and default to the fp32 state
+  // the compact state's arguments (master format, state dtype code, seed address; the 8-bit moments' scales
+  // address and their blocks per row) come after the thread count and default to the fp32 state
   m.def("adam_step", &adam_step, py::arg("table"), py::arg("count"), py::arg("param_dtype"), py::arg("grad_dtype"),
         py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("steps"), py::arg("step_code"),
         py::arg("partials"), py::arg("num_partials"), py::arg("inv_scale"), py::arg("lr"), py::arg("lr_code"),
         py::arg("out_stats"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("max_norm"), py::arg("decoupled"), py::arg("maximize"), py::arg("num_threads"),
-        py::arg("master_format") = 0, py::arg("state_dtype") = 0, py::arg("seed") = uintptr_t(0));
+        py::arg("master_format") = 0, py::arg("state_dtype") = 0, py::arg("seed") = uintptr_t(0),
+        py::arg("state_scales") = uintptr_t(0), py::arg("scale_blocks") = int64_t(0));
   m.def("sgd_step", &sgd_step, py::arg("table"), py::arg("count"), py::arg("param_dtype"), py::arg("grad_dtype"),
         py::arg("master"), py::arg("momentum_buf"), py::arg("steps"), py::arg("step_code"), py::arg("partials"),
         py::arg("num_partials"), py::arg("inv_scale"), py::arg("lr"), py::arg("lr_code"), py::arg("out_stats"),
         py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"), py::arg("max_norm"),
         py::arg("maximize"), py::arg("num_threads"), py::arg("master_format") = 0, py::arg("state_dtype") = 0,
-        py::arg("seed") = uintptr_t(0));
+        py::arg("seed") = uintptr_t(0), py::arg("state_scales") = uintptr_t(0), py::arg("scale_blocks") = int64_t(0));
   m.def("update_scale", &update_scale_op, py::call_guard<py::gil_scoped_release>());
 }

@@ -20,6 +20,8 @@ namespace ampfused {
 
 // Element type codes shared with the Python side (ampfused/_native.py: DTYPE_CODES).
 enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+// The 8-bit moments' storage code (StepArgs::state_dtype; ampfused/_native.py: STATE_CODES).
+constexpr int kStateU8 = 4;
 
 // Storage types of the 16-bit formats: raw bits, converted by the functions below.
 struct bf16_t { uint16_t bits; };
@@ -298,6 +300,65 @@ AF_HD float load_state(float s) { return s; }
 AF_HD float load_state(bf16_t s) { return to_f32(s); }
 AF_HD void store_state(float& dst, float s, uint32_t) { dst = s; }
 AF_HD void store_state(bf16_t& dst, float s, uint32_t r) { dst = round_stochastic(s, r); }
+
+// ---- 8-bit moments (state_precision.q8_*) ---------------------------------------------------------------
+//
+// Codes of a block-scaled 8-bit float: blocks of kQBlock elements of the flat buffers share an exponent E (the
+// scale 2^(E - 127) in state_scales); signed codes (exp_avg, momentum_buf) have a sign bit, 4 exponent bits and
+// 3 mantissa bits, unsigned ones (exp_avg_sq) 5 and 3. A driver computes a block's new values, takes the
+// largest q8_abs_bits of them, the exponent q8_block_exponent of that, and encodes each value with it.
+
+constexpr int kQBlock = 256;
+constexpr int32_t kQ8MinExp = 40, kQ8MaxExp = 253;
+template <bool kSigned> struct Q8Format;
+template <> struct Q8Format<true> { static constexpr int32_t kTop = 14; static constexpr uint32_t kMaxMag = 0x7Fu; };
+template <> struct Q8Format<false> { static constexpr int32_t kTop = 30; static constexpr uint32_t kMaxMag = 0xFFu; };
+
+// state_precision.q8_abs_bits: |x|'s bits, a NaN counted as inf.
+AF_HD uint32_t q8_abs_bits(float x) {
+  const uint32_t a = f32_bits(x) & 0x7fffffffu;
+  return a < 0x7f800000u ? a : 0x7f800000u;
+}
+
+AF_HD int32_t q8_clamp_exponent(int32_t e) { return e < kQ8MinExp ? kQ8MinExp : (e > kQ8MaxExp ? kQ8MaxExp : e); }
+
+// state_precision.q8_block_exponent: E from the largest q8_abs_bits of a block's new values.
+AF_HD int32_t q8_block_exponent(uint32_t max_abs_bits) { return q8_clamp_exponent(int32_t(max_abs_bits >> 23)); }
+
+// state_precision.q8_scale / q8_exponent: the scale 2^(E - 127) and back (only the exponent field is read).
+AF_HD float q8_scale(int32_t e) { return f32_from_bits(uint32_t(e) << 23); }
+AF_HD int32_t q8_exponent(float scale) { return q8_clamp_exponent(int32_t((f32_bits(scale) >> 23) & 0xffu)); }
+
+// state_precision.q8_encode: x rounded stochastically (the low bits of r) to the code of its block's exponent.
+template <bool kSigned>
+AF_HD uint8_t q8_encode(float x, int32_t block_exp, uint32_t r) {
+  const uint32_t u = f32_bits(x);
+  const uint32_t a = q8_abs_bits(x);
+  const int32_t ex = int32_t(a >> 23);
+  const uint32_t sig = (a & 0x7fffffu) | (ex > 0 ? 0x800000u : 0u);
+  const int32_t e = (ex > 1 ? ex : 1) - block_exp + Q8Format<kSigned>::kTop;  // the code's exponent field
+  const int32_t shift = 20 + (e < 1 ? 1 - e : 0);                           // significand bits dropped
+  const int32_t s = shift < 31 ? shift : 31;
+  const uint32_t q = shift > 31 ? 0u : (sig + (r & ((1u << s) - 1u))) >> s;
+  uint32_t mag = uint32_t((e > 1 ? e : 1) - 1) * 8u + q;
+  mag = mag < Q8Format<kSigned>::kMaxMag ? mag : Q8Format<kSigned>::kMaxMag;
+  return uint8_t(kSigned ? (mag | ((u >> 24) & 0x80u)) : mag);
+}
+
+// state_precision.q8_decode: a code -> its value at its block's exponent (exact: integer and power-of-two
+// arithmetic; never an fp32 subnormal).
+template <bool kSigned>
+AF_HD float q8_decode(uint8_t code, int32_t block_exp) {
+  const uint32_t c = code;
+  const uint32_t mag = kSigned ? (c & 0x7fu) : c;
+  const int32_t e = int32_t(mag >> 3);
+  const uint32_t f = mag & 7u;
+  const int32_t top = Q8Format<kSigned>::kTop;
+  const float normal = f32_from_bits((uint32_t(block_exp - top + e) << 23) | (f << 20));
+  const float sub = float(f) * f32_from_bits(uint32_t(block_exp - top - 2) << 23);
+  const float v = e > 0 ? normal : sub;
+  return (kSigned && (c & 0x80u)) ? -v : v;
+}
 
 // ---- scale policy --------------------------------------------------------------------------------
 

@@ -43,11 +43,15 @@ struct StepArgs {
   int lr_code = 0;
   float* out_stats = nullptr;        // [2] fp32: norm, found_inf
   // compact state (math.h, ampfused/ops/state_precision.py): the master's format (master then points at
-  // uint16 remainders, or is null), the moments' storage dtype (kF32 or kBF16), the stochastic rounding's seed
-  // (0-d int64 in the kernels' memory; null when nothing is rounded stochastically)
+  // uint16 remainders, or is null), the moments' storage dtype (kF32, kBF16, or kStateU8: 8-bit codes, state1
+  // and state2 then point at uint8 and the layout's offsets are multiples of kQBlock), the stochastic
+  // rounding's seed (0-d int64 in the kernels' memory; null when nothing is rounded stochastically), and the
+  // 8-bit moments' block scales ([moments, blocks] fp32, row 0 state1's, row 1 state2's; null otherwise)
   int master_format = 0;
   int state_dtype = 0;
   const int64_t* seed = nullptr;
+  float* state_scales = nullptr;
+  int64_t scale_blocks = 0;  // columns of state_scales
 };
 
 struct AdamHyper {
@@ -68,7 +72,8 @@ inline T* addr(uintptr_t p) { return reinterpret_cast<T*>(p); }
 inline StepArgs step_args(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
                           uintptr_t state1, uintptr_t state2, uintptr_t steps, int step_code, uintptr_t partials,
                           int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats,
-                          int master_format = 0, int state_dtype = 0, uintptr_t seed = 0) {
+                          int master_format = 0, int state_dtype = 0, uintptr_t seed = 0,
+                          uintptr_t state_scales = 0, int64_t scale_blocks = 0) {
   StepArgs a;
   a.table = addr<const int64_t>(table);
   a.count = count;
@@ -88,6 +93,8 @@ inline StepArgs step_args(uintptr_t table, int64_t count, int param_dtype, int g
   a.master_format = master_format;
   a.state_dtype = state_dtype;
   a.seed = addr<const int64_t>(seed);
+  a.state_scales = addr<float>(state_scales);
+  a.scale_blocks = scale_blocks;
   return a;
 }
 
