@@ -304,8 +304,8 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
 
     def _bind_state(self, params) -> None:
         """``state[p]`` for each of ``params``: this rank's piece of each of its state buffers (flat views in the
-        buffers' dtypes, empty where this rank owns none of ``p``). Every rank holds an entry for every parameter that has
-        state, so code that asks whether the optimizer has state (torch.distributed.checkpoint's
+        buffers' dtypes, empty where this rank owns none of ``p``). Every rank holds an entry for every parameter
+        that has state, so code that asks whether the optimizer has state (torch.distributed.checkpoint's
         get_optimizer_state_dict does) gets the same answer on every rank. The whole state: :meth:`state_dict`."""
         where = {}
         for s in self._spaces or ():

@@ -14,6 +14,7 @@ import ampfused
 import dist_data as D
 import test_dist_fsdp as F
 import test_dist_zero as Z
+import test_dist_zero_modes as M
 from ampfused.ops.state_precision import join_master
 from dist_harness import load, run_ranks, save
 from oracle import assert_bitwise
@@ -103,6 +104,26 @@ def test_remainders_on_two_ranks_are_the_single_process_step(tmp_path, kind):
             rem = got["state"]["state"][i]["master_remainder"]
             assert rem.dtype == torch.int16 and rem.shape == w.shape
             assert_bitwise(f"rank {r}: master[{i}]", join_master(w, rem), masters[i])
+
+
+def _write_worker(rank, world, out):
+    model = D.linear_model()
+    opt = _optimizer("adamw", model, True, REMAINDERS)
+    x, c = D.batches(4, world * ROWS)
+    M._write_loop(model, opt, x, c, slice(rank * ROWS, (rank + 1) * ROWS))
+    save(out, rank, _result(model, opt))
+
+
+def test_remainders_reset_where_the_model_is_written(tmp_path):
+    """A weight written between steps (a checkpoint loaded into the model) resets its remainders on the rank that
+    owns them, as the single-process optimizer resets them: the runs stay bitwise equal."""
+    run_ranks(_write_worker, 2, str(tmp_path))
+    model = D.linear_model()
+    opt = _optimizer("adamw", model, False, REMAINDERS)
+    x, c = D.batches(4, 2 * ROWS)
+    M._write_loop(model, opt, x, c, slice(None))
+    for r, got in enumerate(load(tmp_path, 2)):
+        _assert_same(got, _result(model, opt), f"rank {r}")
 
 
 def test_aligned_shards_cut_parameters_at_multiples_of_the_block(tmp_path):
