@@ -8,6 +8,8 @@ the interpreter), against the specification (ampfused/ops/state_precision.py, re
   agree bit for bit wherever their fp32 math does (SGD without clipping: elementwise IEEE operations in one
   order); Adam's per-step constants may differ by an ulp between backends, so there a stored bf16 value may
   differ by one ulp, at a few elements.
+* 8-bit moments (uint8 codes, block scales): the same rules; a code differs by one step where the fp32 values
+  straddle a rounding boundary, and a block's scale where its largest value straddles a binade.
 * A skipped step changes nothing (the generator's position is the step count, which does not advance); a run
   resumed from copies of its tensors equals the uninterrupted one; the CPU backend's bits do not depend on its
   thread count.
@@ -35,12 +37,15 @@ PARAMS = [
     ((3, 4, 5, 7), "channels_last", True, 1),
     ((45, 23), "transposed", True, 0),
 ]
-MODES = {  # master format, bf16 moments
+MODES = {  # master format, compact moments (False: fp32, True: bf16, "q8": 8-bit codes)
     "remainder": ("remainder", False),
     "remainder-bf16-moments": ("remainder", True),
     "fp32-master-bf16-moments": ("fp32", True),
     "no-master": ("none", False),
     "no-master-bf16-moments": ("none", True),
+    "remainder-q8-moments": ("remainder", "q8"),
+    "fp32-master-q8-moments": ("fp32", "q8"),
+    "no-master-q8-moments": ("none", "q8"),
 }
 
 
@@ -59,7 +64,8 @@ class Problem:
     def __init__(self, master_format: str, bf16_moments: bool, sgd: bool, gen_seed: int = 0):
         g = torch.Generator().manual_seed(gen_seed)
         numels = [math.prod(s) for s, _, _, _ in PARAMS]
-        self.offsets, total = state_layout(numels)
+        q8 = bf16_moments == "q8"
+        self.offsets, total = state_layout(numels, sp.QBLOCK if q8 else reference.STATE_ALIGN)
         masters = torch.randn(total, generator=g)
         self.params = [_param(s, lay, torch.zeros(n, dtype=BF16)) for (s, lay, _, _), n in zip(PARAMS, numels)]
         if master_format == "remainder":
@@ -70,6 +76,11 @@ class Problem:
             memory_view(p).copy_(weight[o:o + p.numel()])
         sdt = BF16 if bf16_moments else F32
         self.states = [torch.randn(total, generator=g).abs().to(sdt) * 1e-3 for _ in range(1 if sgd else 2)]
+        self.scales = None
+        if q8:  # the same values as 8-bit codes (the whole flat buffer in blocks: the parameters' own blocks)
+            coded = [sp.q8_quantize(s.float(), signed=k == 0) for k, s in enumerate(self.states)]
+            self.states = [c for c, _ in coded]
+            self.scales = torch.stack([sc for _, sc in coded])
         self.steps = torch.tensor([float(s) for _, _, _, s in PARAMS])
         self.seed = torch.tensor(-(2 ** 40) + 12345, dtype=torch.int64) if (bf16_moments or master_format == "none") \
             else None
@@ -77,7 +88,8 @@ class Problem:
 
     def tensors(self):
         out = [memory_view(p) for p in self.params] + self.states + [self.steps]
-        return out + ([self.master] if self.master is not None else [])
+        return out + ([self.master] if self.master is not None else []) + \
+            ([self.scales] if self.scales is not None else [])
 
     def master_values(self):
         """The fp32 masters of the parameters, concatenated (rebuilt from the remainders, or from the buffer)."""
@@ -103,11 +115,11 @@ def _step(problem, grads, backend, max_norm=5.0, partials=None, lr=None):
     if problem.sgd:
         ops.sgd_step_(problem.params, grads, problem.master, problem.states[0], problem.steps, partials, inv_scale,
                       torch.tensor(lr or 1e-2), out, momentum=0.9, weight_decay=0.01, max_norm=max_norm,
-                      seed=problem.seed, backend=backend)
+                      seed=problem.seed, state_scales=problem.scales, backend=backend)
     else:
         ops.adamw_step_(problem.params, grads, problem.master, problem.states[0], problem.states[1], problem.steps,
                         partials, inv_scale, torch.tensor(lr or 1e-3), out, weight_decay=0.01, max_norm=max_norm,
-                        seed=problem.seed, backend=backend)
+                        seed=problem.seed, state_scales=problem.scales, backend=backend)
     return out
 
 
@@ -164,6 +176,46 @@ def test_stochastic_rounding_is_unbiased_and_keyed():
     assert out[0] == math.inf and out[1] == -math.inf and math.isnan(out[2]) and out[3] == 0
 
 
+def test_q8_codes_are_unbiased_exact_to_decode_and_saturate():
+    g = torch.Generator().manual_seed(3)
+    for signed in (True, False):
+        # values over many binades in one block of 256: decoded codes are x in expectation (stochastic rounding)
+        x = torch.randn(sp.QBLOCK, generator=g) * torch.exp(torch.randn(sp.QBLOCK, generator=g) * 2)
+        x = x if signed else x.abs()
+        n = 4000
+        idx = torch.arange(sp.QBLOCK * n).view(n, sp.QBLOCK)
+        mean = torch.zeros(sp.QBLOCK, dtype=torch.float64)
+        for k in range(n):
+            codes, scales = sp.q8_quantize(x, signed, sp.random_bits(sp.stream_key(1, 1, 1), idx[k]))
+            mean += sp.q8_dequantize(codes, scales, signed).double()
+        mean /= n
+        top = x.abs().max().item()
+        # one draw errs by at most a code step (2^-3 of the value, or the subnormal spacing): the mean of n
+        # draws by a few standard errors of that
+        step = torch.clamp(x.abs().double() * 2 ** -3, min=top * 2 ** -16)
+        assert ((mean - x.double()).abs() <= 5 * step / math.sqrt(n) + 1e-30).all()
+        # the scale is the power of two of the block's largest value; to nearest, codes are within half a step
+        codes, scales = sp.q8_quantize(x, signed)
+        assert scales.item() == 2.0 ** math.floor(math.log2(top))
+        back = sp.q8_dequantize(codes, scales, signed)
+        assert ((back - x).abs() <= torch.clamp(x.abs() * 2 ** -4, min=top * 2 ** -17) * 1.0001).all()
+        # every code decodes to a finite value, and decoding what it encodes gives the same code back
+        every = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+        for e in (sp.Q8_MIN_EXP, 127, sp.Q8_MAX_EXP):
+            exp = torch.full((256,), e, dtype=torch.int64)
+            values = sp.q8_decode(every, exp, signed)
+            assert torch.isfinite(values).all()
+            again = sp.q8_encode(values, exp, None, signed)
+            same = (again == every) | ((values == 0) & ((again.to(torch.int64) & 0x7F) == 0))
+            assert same.all()
+    # non-finite values saturate to the largest code; a fresh (zero) state decodes to zeros
+    special = torch.tensor([math.inf, -math.inf, math.nan, 0.0])
+    codes, scales = sp.q8_quantize(special, True)
+    assert codes[:3].tolist() == [0x7F, 0xFF, 0x7F] and scales.item() == 2.0 ** (sp.Q8_MAX_EXP - 127)
+    zeros = sp.q8_dequantize(torch.zeros(300, dtype=torch.uint8), torch.zeros(2), False)
+    assert (zeros == 0).all()
+
+
 # ---- the step ops -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sgd", [False, True], ids=["adamw", "sgd"])
@@ -215,25 +267,35 @@ def test_adam_compact_modes_match_the_reference(backend, mode):
              ("masters", fast.master_values(), ref.master_values(), fast32.master_values(), ref32.master_values())]
     pairs += [(f"params[{i}]", memory_view(a), memory_view(b), None, None)
               for i, (a, b) in enumerate(zip(fast.params, ref.params))]
+    if fast.scales is not None:
+        pairs.append(("state_scales", fast.scales, ref.scales, None, None))
     for name, a, b, a32, b32 in pairs:
         if a is None:
             continue
-        if a.dtype == BF16:
+        if a.dtype == torch.uint8:  # a code one step away (same sign), at a few elements
+            d = ((a.to(torch.int64) & 0x7F) - (b.to(torch.int64) & 0x7F)).abs() if name == "exp_avg" else \
+                (a.to(torch.int64) - b.to(torch.int64)).abs()
+            assert d.max() <= 1 and int((d > 0).sum()) <= max(2, a.numel() // 200), name
+        elif name == "state_scales":  # a block whose largest value straddles a binade, at most one
+            assert int((a != b).sum()) <= 1, name
+        elif a.dtype == BF16:
             d = _ulps_apart(a, b)
             assert d.max() <= 1 and int((d > 0).sum()) <= max(2, a.numel() // 200), name
         else:
             bound = 2 * (a32 - b32).abs().max() + 1e-12
             if name == "masters" and MODES[mode][1]:
                 # a bf16 moment one ulp (2^-7 of it) apart moves an update lr * m_hat / sqrt(v_hat) (at most
-                # (1 - beta1) / sqrt(1 - beta2) ~ 3.2 times lr) by 1.5 * 2^-7 of it, at each of the 2 steps
-                bound = bound + 2 * 1e-3 * 3.2 * 1.5 * 2 ** -7
+                # (1 - beta1) / sqrt(1 - beta2) ~ 3.2 times lr) by 1.5 * 2^-7 of it, at each of the 2 steps (an
+                # 8-bit code one step, 2^-3 of it, apart likewise)
+                bound = bound + 2 * 1e-3 * 3.2 * 1.5 * (2 ** -3 if MODES[mode][1] == "q8" else 2 ** -7)
             assert (a - b).abs().max() <= bound, name
     assert_bitwise("steps", fast.steps, ref.steps)
 
 
 # (each format of the weight once, and bf16 moments, which every stochastic draw of the moments goes through)
 @pytest.mark.parametrize("sgd", [False, True], ids=["adamw", "sgd"])
-@pytest.mark.parametrize("mode", ["remainder-bf16-moments", "no-master-bf16-moments", "fp32-master-bf16-moments"])
+@pytest.mark.parametrize("mode", ["remainder-bf16-moments", "no-master-bf16-moments", "fp32-master-bf16-moments",
+                                  "no-master-q8-moments"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_skipped_step_changes_nothing(backend, mode, sgd):
     p = _run(mode, sgd, backend, 1)
@@ -252,7 +314,7 @@ def test_a_skipped_step_changes_nothing(backend, mode, sgd):
         assert_bitwise(mode, a, b)
 
 
-@pytest.mark.parametrize("mode", ["no-master-bf16-moments", "remainder-bf16-moments"])
+@pytest.mark.parametrize("mode", ["no-master-bf16-moments", "remainder-bf16-moments", "remainder-q8-moments"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_resumed_run_equals_the_uninterrupted_one(backend, mode):
     whole = _run(mode, False, backend, 3)
@@ -267,7 +329,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(backend, mode):
 
 
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="the cpu backend is not built")
-@pytest.mark.parametrize("mode", ["no-master-bf16-moments", "remainder"])
+@pytest.mark.parametrize("mode", ["no-master-bf16-moments", "remainder", "no-master-q8-moments"])
 def test_cpu_bits_do_not_depend_on_the_thread_count(mode):
     threads = torch.get_num_threads()
     try:

@@ -101,7 +101,7 @@ class CpuBackend(Backend):
         """Leading kernel arguments shared by every step, and the tensors that must outlive the call."""
         params = list(params)
         grads = list(grads)
-        rows, total = _N.step_table(params, grads)
+        rows, total = _N.step_table(params, grads, _N.layout_align(next((s for _, s in states if s is not None), None)))
         _N.check_state_sizes(self.name, [("master", master)] + list(states), total, steps.device)
         partials = _N.partials_arg(partials)
         head = [rows, len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0,
@@ -113,17 +113,19 @@ class CpuBackend(Backend):
     def adam_step_(self, params, grads, master: Optional[Tensor], exp_avg: Tensor, exp_avg_sq: Tensor,
                    steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta1: float,
                    beta2: float, eps: float, weight_decay: float, max_norm: float, decoupled: bool,
-                   maximize: bool = False, seed: Optional[Tensor] = None, **options) -> None:
+                   maximize: bool = False, seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None,
+                   **options) -> None:
         """Adam/AdamW; math and tensors in :func:`ampfused.ops.reference.adam_step_` (compact state included)."""
         compact = _N.check_step(self.name, params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
-                                steps, partials, inv_scale, lr, out_stats, seed)
+                                steps, partials, inv_scale, lr, out_stats, seed, state_scales)
+        compact = tuple(compact) + _N.q8_args(state_scales)
         head, tail, keep = self._step_head(params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
                                            steps, partials, inv_scale, lr, out_stats)
         self._launch_adam(head + [exp_avg.data_ptr(), exp_avg_sq.data_ptr()] + tail
                           + [float(beta1), float(beta2), float(eps), float(weight_decay), float(max_norm),
                              bool(decoupled), bool(maximize)], steps, keep, compact, **options)
 
-    def _launch_adam(self, args, steps: Tensor, keep, compact=(0, 0, 0), **options):
+    def _launch_adam(self, args, steps: Tensor, keep, compact=(0, 0, 0, 0, 0), **options):
         if options:
             raise TypeError(f"the {self.name} backend takes no options, got {sorted(options)}")
         self._mod().adam_step(*args, *self._device_args(steps.device), *compact)
@@ -131,20 +133,21 @@ class CpuBackend(Backend):
     def sgd_step_(self, params, grads, master: Optional[Tensor], momentum_buf: Optional[Tensor], steps: Tensor,
                   partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, momentum: float,
                   dampening: float, weight_decay: float, nesterov: bool, max_norm: float, maximize: bool = False,
-                  seed: Optional[Tensor] = None, **options) -> None:
+                  seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None, **options) -> None:
         """SGD; math and tensors in :func:`ampfused.ops.reference.sgd_step_`."""
         if momentum != 0 and momentum_buf is None:
             raise ValueError("momentum_buf is required when momentum != 0")
         buf = momentum_buf if momentum != 0 else None
         states = [("momentum_buf", buf)] if buf is not None else []
         compact = _N.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
-                                seed)
+                                seed, state_scales)
+        compact = tuple(compact) + _N.q8_args(state_scales)
         head, tail, keep = self._step_head(params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
         self._launch_sgd(head + [_N.ptr(buf)] + tail
                          + [float(momentum), float(dampening), float(weight_decay), bool(nesterov),
                             float(max_norm), bool(maximize)], steps, keep, compact, **options)
 
-    def _launch_sgd(self, args, steps: Tensor, keep, compact=(0, 0, 0), **options):
+    def _launch_sgd(self, args, steps: Tensor, keep, compact=(0, 0, 0, 0, 0), **options):
         if options:
             raise TypeError(f"the {self.name} backend takes no options, got {sorted(options)}")
         self._mod().sgd_step(*args, *self._device_args(steps.device), *compact)
@@ -179,18 +182,21 @@ class CpuBackend(Backend):
         return head, tail
 
     def adam_step_table(self, table: tuple, dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
-                        out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize, seed=None) -> None:
+                        out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize, seed=None,
+                        state_scales=None) -> None:
         head, tail = self._table_head(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
         self._mod().adam_step(*head, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), *tail, beta1, beta2, eps,
                               weight_decay, max_norm, decoupled, maximize, torch.get_num_threads(),
-                              *_N.compact_args(dtype, master, exp_avg, seed))
+                              *_N.compact_args(dtype, master, exp_avg, seed), *_N.q8_args(state_scales))
 
     def sgd_step_table(self, table: tuple, dtype, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
-                       momentum, dampening, weight_decay, nesterov, max_norm, maximize, seed=None) -> None:
+                       momentum, dampening, weight_decay, nesterov, max_norm, maximize, seed=None,
+                       state_scales=None) -> None:
         head, tail = self._table_head(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
         buf = momentum_buf if momentum != 0 else None
         self._mod().sgd_step(*head, _N.ptr(buf), *tail, momentum, dampening, weight_decay, nesterov, max_norm,
-                             maximize, torch.get_num_threads(), *_N.compact_args(dtype, master, buf, seed))
+                             maximize, torch.get_num_threads(), *_N.compact_args(dtype, master, buf, seed),
+                             *_N.q8_args(state_scales))
 
 
 BACKEND = CpuBackend()

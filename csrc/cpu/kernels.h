@@ -46,7 +46,9 @@ struct StepBufs {
   float* state1;
   float* state2;
   int master_format = kMasterF32;  // kMasterRemainder: master holds uint16 remainders
-  int state_dtype = kF32;          // kBF16: state1 / state2 hold bf16 moments
+  int state_dtype = kF32;          // kBF16: state1 / state2 hold bf16 moments; kStateU8: 8-bit codes
+  float* state_scales = nullptr;   // kStateU8: [moments, scale_blocks] block scales (row 0 state1's)
+  int64_t scale_blocks = 0;
 };
 
 #define AMPFUSED_CPU_ISA_API(ns)                                                                      \

@@ -166,7 +166,8 @@ StepTensor tensor_of(const StepArgs& a, int64_t k) {
 }
 
 StepBufs bufs_of(const StepArgs& a) {
-  return StepBufs{a.param_dtype, a.grad_dtype, a.master, a.state1, a.state2, a.master_format, a.state_dtype};
+  return StepBufs{a.param_dtype, a.grad_dtype, a.master, a.state1, a.state2, a.master_format, a.state_dtype,
+                  a.state_scales, a.scale_blocks};
 }
 
 // The step after the tensor table was checked: prologue (skip on found_inf), per-parameter constants from each
