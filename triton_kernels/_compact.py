@@ -3,7 +3,8 @@ specification), the same expressions on uint32.
 
 ``MASTER_FORMAT`` (a constexpr of the step kernels): 0 an fp32 master (or fp32 parameters that are their own
 master), 1 int16 master remainders beside bf16 parameters, 2 no master (bf16 parameters, stochastic rounding).
-``STATE_BF16``: the moments are bf16, loaded exactly and stored with stochastic rounding. The generator is
+``STATE_BF16``: the moments are bf16, loaded exactly and stored with stochastic rounding (``STATE_Q8``: 8-bit
+codes with block scales, in ``_q8``). The generator is
 keyed per parameter and stream by ``_stream_key(seed, t, stream)`` (the step being taken, ``t = steps[i] + 1``)
 and drawn per element by ``_random_bits(key, index)``, ``index`` the element's int64 index in the flat state
 buffers, so a chunk's draws do not depend on which program runs it.
@@ -151,10 +152,12 @@ class LaunchFormat(NamedTuple):
     master: int
     state_bf16: bool
     has_fp32_master: bool
+    state_q8: bool            # uint8 moments: 8-bit codes and block scales (``_q8``)
 
 
 def launch_format(param_dtype, master, state, seed) -> LaunchFormat:
     """The constexprs of a step launch from its buffers (checked by the ops before): ``state`` any moment
     buffer of the step (or None)."""
     fmt, code, _ = _native.compact_args(param_dtype, master, state, seed)
-    return LaunchFormat(fmt, code == _native.DTYPE_CODES[torch.bfloat16], fmt == 0 and master is not None)
+    return LaunchFormat(fmt, code == _native.DTYPE_CODES[torch.bfloat16], fmt == 0 and master is not None,
+                        code == _native.STATE_CODES[torch.uint8])

@@ -28,6 +28,7 @@ from ._common import (LAUNCH_OPTIONS, TL_DTYPES, device_guard, grid_size, nonemp
                       _prologue, _state_ptr, _step_chunk, _to_f32)
 from ._compact import (MASTER_REMAINDER, _load_state, _load_weight, _store_state, _store_weight, _stream_key,
                        chunk_state_ptrs, launch_format)
+from ._q8 import QBLOCK, _load_q8, _store_q8
 
 BLOCK = 1024        # elements per program per iteration (8 per thread with 4 warps)
 CHUNK = 8 * BLOCK   # elements per chunk-list entry
@@ -38,17 +39,22 @@ TBLOCK = 1024       # table rows per iteration of the step advance
 
 
 @triton.jit
-def _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, idx, n, coef, decay, step_size,
-                sqrt_bc2, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, state, kw, k1, k2,
-                PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, DECOUPLED: tl.constexpr,
+def _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, sc1_ptr, sc2_ptr, base, idx, n, coef,
+                decay, step_size, sqrt_bc2, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, state, kw,
+                k1, k2, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, DECOUPLED: tl.constexpr,
                 MAXIMIZE: tl.constexpr, MASTER_FORMAT: tl.constexpr, STATE_BF16: tl.constexpr,
-                MASKED: tl.constexpr):
+                STATE_Q8: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
+    # idx = base + arange(BLOCK): lanes of the chunk; sc1_ptr, sc2_ptr: the chunk's first block scales (Q8)
     g = _to_f32(_load(grad_ptr, idx, n, MASKED)) * coef
     if MAXIMIZE:
         g = -g
     w = _load_weight(param_ptr, w_ptr, idx, n, MASTER_FORMAT, MASKED)
-    m = _load_state(exp_avg_ptr, idx, n, MASKED)
-    v = _load_state(exp_avg_sq_ptr, idx, n, MASKED)
+    if STATE_Q8:
+        m = _load_q8(exp_avg_ptr, sc1_ptr, idx, n, base, True, MASKED, BLOCK)
+        v = _load_q8(exp_avg_sq_ptr, sc2_ptr, idx, n, base, False, MASKED, BLOCK)
+    else:
+        m = _load_state(exp_avg_ptr, idx, n, MASKED)
+        v = _load_state(exp_avg_sq_ptr, idx, n, MASKED)
     if DECOUPLED:
         w_new = w * decay
     else:
@@ -61,18 +67,23 @@ def _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, idx, n,
     denom = tl.div_rn(tl.sqrt_rn(v_new), sqrt_bc2) + eps
     w_new = w_new - tl.div_rn(step_size * m_new, denom)
     index = state + idx  # in the flat buffers: the stochastic rounding's counter
-    _store_state(exp_avg_ptr, idx, n, m_new, k1, index, STATE_BF16, MASKED)
-    _store_state(exp_avg_sq_ptr, idx, n, v_new, k2, index, STATE_BF16, MASKED)
+    if STATE_Q8:
+        _store_q8(exp_avg_ptr, sc1_ptr, idx, n, base, m_new, k1, index, True, MASKED, BLOCK)
+        _store_q8(exp_avg_sq_ptr, sc2_ptr, idx, n, base, v_new, k2, index, False, MASKED, BLOCK)
+    else:
+        _store_state(exp_avg_ptr, idx, n, m_new, k1, index, STATE_BF16, MASKED)
+        _store_state(exp_avg_sq_ptr, idx, n, v_new, k2, index, STATE_BF16, MASKED)
     _store_weight(param_ptr, w_ptr, idx, n, w_new, kw, index, PARAM_DTYPE, HAS_MASTER, MASTER_FORMAT, MASKED)
 
 
-@triton.jit(do_not_specialize=["num_chunks", "T", "P"])
+@triton.jit(do_not_specialize=["num_chunks", "T", "P", "scale_cols"])
 def _adam_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, steps_ptr,
-                 partials_ptr, inv_scale_ptr, lr_ptr, out_stats_ptr, counter_ptr, seed_ptr, P, p_stride_row,
-                 p_stride_col, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps, weight_decay,
-                 max_norm, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
-                 DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, CLIP: tl.constexpr, ALIGNED: tl.constexpr,
-                 MASTER_FORMAT: tl.constexpr, STATE_BF16: tl.constexpr, USE_SEED: tl.constexpr,
+                 partials_ptr, inv_scale_ptr, lr_ptr, out_stats_ptr, counter_ptr, seed_ptr, scales_ptr, scale_cols,
+                 P, p_stride_row, p_stride_col, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps,
+                 weight_decay, max_norm, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+                 HAS_MASTER: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, CLIP: tl.constexpr,
+                 ALIGNED: tl.constexpr, MASTER_FORMAT: tl.constexpr, STATE_BF16: tl.constexpr,
+                 STATE_Q8: tl.constexpr, USE_SEED: tl.constexpr,
                  CHUNK: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr, TBLOCK: tl.constexpr):
     norm, found_inf, coef = _prologue(partials_ptr, p_stride_row, p_stride_col, P, inv_scale_ptr, max_norm,
                                       out_stats_ptr, CLIP, PBLOCK)
@@ -89,6 +100,9 @@ def _adam_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, exp_avg_ptr, 
             # this parameter's step: t = steps[row] + 1; 1 - beta**t as -expm1(t * log(beta)), as the
             # reference computes it
             t = tl.load(steps_ptr + row).to(tl.float32) + 1.0
+            # 8-bit moments: the chunk's first block in each row of state_scales ([2, scale_cols])
+            sc1 = scales_ptr + state // QBLOCK
+            sc2 = sc1 + scale_cols
             kw = tl.full((), 0, tl.uint32)
             k1 = kw
             k2 = kw
@@ -99,16 +113,16 @@ def _adam_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, exp_avg_ptr, 
             sqrt_bc2 = tl.sqrt_rn(-_expm1(t * log_beta2))
             full = count // BLOCK
             for b in range(0, full):
-                _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_c, exp_avg_sq_c, b * BLOCK + lanes, count, coef,
-                            decay, step_size, sqrt_bc2, one_minus_beta1, beta2, one_minus_beta2, eps,
-                            weight_decay, state, kw, k1, k2, PARAM_DTYPE, HAS_MASTER, DECOUPLED, MAXIMIZE,
-                            MASTER_FORMAT, STATE_BF16, False)
+                _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_c, exp_avg_sq_c, sc1, sc2, b * BLOCK,
+                            b * BLOCK + lanes, count, coef, decay, step_size, sqrt_bc2, one_minus_beta1, beta2,
+                            one_minus_beta2, eps, weight_decay, state, kw, k1, k2, PARAM_DTYPE, HAS_MASTER,
+                            DECOUPLED, MAXIMIZE, MASTER_FORMAT, STATE_BF16, STATE_Q8, False, BLOCK)
             # the parameter's last, partial block
             if full * BLOCK < count:
-                _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_c, exp_avg_sq_c, full * BLOCK + lanes, count,
-                            coef, decay, step_size, sqrt_bc2, one_minus_beta1, beta2, one_minus_beta2, eps,
-                            weight_decay, state, kw, k1, k2, PARAM_DTYPE, HAS_MASTER, DECOUPLED, MAXIMIZE,
-                            MASTER_FORMAT, STATE_BF16, True)
+                _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_c, exp_avg_sq_c, sc1, sc2, full * BLOCK,
+                            full * BLOCK + lanes, count, coef, decay, step_size, sqrt_bc2, one_minus_beta1, beta2,
+                            one_minus_beta2, eps, weight_decay, state, kw, k1, k2, PARAM_DTYPE, HAS_MASTER,
+                            DECOUPLED, MAXIMIZE, MASTER_FORMAT, STATE_BF16, STATE_Q8, True, BLOCK)
         _advance_steps(steps_ptr, table_ptr, T, counter_ptr, TBLOCK)
 
 
@@ -119,7 +133,7 @@ def _log(beta: float) -> float:
 
 def adam_step_(plan, count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
                out_stats, counter, beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float,
-               decoupled: bool, maximize: bool = False, seed=None) -> None:
+               decoupled: bool, maximize: bool = False, seed=None, state_scales=None) -> None:
     """One Adam (L2 decay) / AdamW (decoupled decay) step over the parameters of ``plan``; math as
     ``ampfused.ops.reference.adam_step_``.
 
@@ -139,7 +153,9 @@ def adam_step_(plan, count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq
     16-byte aligned; steps: ``[count]`` fp32/fp64; inv_scale: 0-d fp32; lr: 0-d fp32/fp64; partials:
     ``[2, P]`` fp32 (any strides); out_stats: ``[2]`` fp32; counter: ``[1]`` int32 workspace holding 0, left
     at 0. When found_inf, only out_stats is written. Compact state (``_compact``, read from the buffers'
-    dtypes): int16 master remainders, no master with bf16 params, bf16 moments; ``seed`` 0-d int64.
+    dtypes): int16 master remainders, no master with bf16 params, bf16 moments, 8-bit (uint8) moments with their
+    block scales ``state_scales`` (``[2, blocks]`` fp32, contiguous; the flat buffers laid out with parameters
+    at multiples of ``_q8.QBLOCK``, which ``BLOCK`` is a multiple of); ``seed`` 0-d int64.
     """
     programs = max(grid_size(plan.num_chunks, MAX_PROGRAMS), 1)  # no chunk: out_stats is still written
     fmt = launch_format(param_dtype, master, exp_avg, seed)
@@ -148,9 +164,11 @@ def adam_step_(plan, count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq
             plan.table, plan.chunks, plan.num_chunks, count, nonempty(master, out_stats),
             nonempty(exp_avg, out_stats), nonempty(exp_avg_sq, out_stats), nonempty(steps, out_stats),
             nonempty(partials, out_stats), inv_scale, lr, out_stats, counter, nonempty(seed, counter),
+            nonempty(state_scales, out_stats), state_scales.shape[-1] if fmt.state_q8 else 0,
             partials.shape[1], partials.stride(0), partials.stride(1),
             1.0 - beta1, beta2, 1.0 - beta2, _log(beta1), _log(beta2), eps, weight_decay, max_norm,
             PARAM_DTYPE=TL_DTYPES[param_dtype], GRAD_DTYPE=TL_DTYPES[grad_dtype], HAS_MASTER=fmt.has_fp32_master,
             DECOUPLED=bool(decoupled), MAXIMIZE=bool(maximize), CLIP=not math.isinf(max_norm),
-            ALIGNED=plan.aligned, MASTER_FORMAT=fmt.master, STATE_BF16=fmt.state_bf16, USE_SEED=seed is not None, CHUNK=plan.chunk, BLOCK=BLOCK, PBLOCK=PBLOCK, TBLOCK=TBLOCK, num_warps=NUM_WARPS,
+            ALIGNED=plan.aligned, MASTER_FORMAT=fmt.master, STATE_BF16=fmt.state_bf16, STATE_Q8=fmt.state_q8,
+            USE_SEED=seed is not None, CHUNK=plan.chunk, BLOCK=BLOCK, PBLOCK=PBLOCK, TBLOCK=TBLOCK, num_warps=NUM_WARPS,
             **LAUNCH_OPTIONS)

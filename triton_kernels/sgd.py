@@ -15,6 +15,7 @@ from ._common import (LAUNCH_OPTIONS, TL_DTYPES, device_guard, grid_size, nonemp
                       _step_chunk, _to_f32)
 from ._compact import (_load_state, _load_weight, _store_state, _store_weight, _stream_key, chunk_state_ptrs,
                        launch_format)
+from ._q8 import QBLOCK, _load_q8, _store_q8
 
 BLOCK = 1024
 CHUNK = 8 * BLOCK
@@ -25,10 +26,12 @@ TBLOCK = 1024
 
 
 @triton.jit
-def _sgd_block(param_ptr, grad_ptr, w_ptr, buf_ptr, idx, n, coef, lr, first, momentum, one_minus_dampening,
-               weight_decay, state, kw, k1, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
-               HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
-               MASTER_FORMAT: tl.constexpr, STATE_BF16: tl.constexpr, MASKED: tl.constexpr):
+def _sgd_block(param_ptr, grad_ptr, w_ptr, buf_ptr, sc_ptr, base, idx, n, coef, lr, first, momentum,
+               one_minus_dampening, weight_decay, state, kw, k1, PARAM_DTYPE: tl.constexpr,
+               HAS_MASTER: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+               MAXIMIZE: tl.constexpr, MASTER_FORMAT: tl.constexpr, STATE_BF16: tl.constexpr,
+               STATE_Q8: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
+    # idx = base + arange(BLOCK): lanes of the chunk; sc_ptr: the chunk's first block scale (Q8)
     g = _to_f32(_load(grad_ptr, idx, n, MASKED)) * coef
     if MAXIMIZE:
         g = -g
@@ -36,10 +39,16 @@ def _sgd_block(param_ptr, grad_ptr, w_ptr, buf_ptr, idx, n, coef, lr, first, mom
     g = tl.where(weight_decay != 0.0, g + weight_decay * w, g)
     index = state + idx  # in the flat buffers: the stochastic rounding's counter
     if HAS_MOMENTUM:
-        b = _load_state(buf_ptr, idx, n, MASKED)
+        if STATE_Q8:
+            b = _load_q8(buf_ptr, sc_ptr, idx, n, base, True, MASKED, BLOCK)
+        else:
+            b = _load_state(buf_ptr, idx, n, MASKED)
         # on the first step the buffer may hold anything: it is replaced, never read into the math
         b = tl.where(first, g, b * momentum + one_minus_dampening * g)
-        _store_state(buf_ptr, idx, n, b, k1, index, STATE_BF16, MASKED)
+        if STATE_Q8:
+            _store_q8(buf_ptr, sc_ptr, idx, n, base, b, k1, index, True, MASKED, BLOCK)
+        else:
+            _store_state(buf_ptr, idx, n, b, k1, index, STATE_BF16, MASKED)
         if NESTEROV:
             g = g + momentum * b
         else:
@@ -50,12 +59,12 @@ def _sgd_block(param_ptr, grad_ptr, w_ptr, buf_ptr, idx, n, coef, lr, first, mom
 
 @triton.jit(do_not_specialize=["num_chunks", "T", "P"])
 def _sgd_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, buf_ptr, steps_ptr, partials_ptr, inv_scale_ptr,
-                lr_ptr, out_stats_ptr, counter_ptr, seed_ptr, P, p_stride_row, p_stride_col,
+                lr_ptr, out_stats_ptr, counter_ptr, seed_ptr, scales_ptr, P, p_stride_row, p_stride_col,
                 momentum, one_minus_dampening, weight_decay, max_norm,
                 PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
                 HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, CLIP: tl.constexpr,
                 ALIGNED: tl.constexpr, MASTER_FORMAT: tl.constexpr, STATE_BF16: tl.constexpr,
-                USE_SEED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr,
+                STATE_Q8: tl.constexpr, USE_SEED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr,
                 TBLOCK: tl.constexpr):
     norm, found_inf, coef = _prologue(partials_ptr, p_stride_row, p_stride_col, P, inv_scale_ptr, max_norm,
                                       out_stats_ptr, CLIP, PBLOCK)
@@ -76,21 +85,24 @@ def _sgd_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, buf_ptr, steps
                 t = step.to(tl.float32) + 1.0
                 kw = _stream_key(seed, t, 0)
                 k1 = _stream_key(seed, t, 1)
+            sc = scales_ptr + state // QBLOCK  # 8-bit momentum: the chunk's first block scale (state_scales[0])
             full = count // BLOCK
             for b in range(0, full):
-                _sgd_block(param_ptr, grad_ptr, w_ptr, buf_c, b * BLOCK + lanes, count, coef, lr, first, momentum,
-                           one_minus_dampening, weight_decay, state, kw, k1, PARAM_DTYPE, HAS_MASTER, HAS_MOMENTUM,
-                           NESTEROV, MAXIMIZE, MASTER_FORMAT, STATE_BF16, False)
+                _sgd_block(param_ptr, grad_ptr, w_ptr, buf_c, sc, b * BLOCK, b * BLOCK + lanes, count, coef, lr,
+                           first, momentum, one_minus_dampening, weight_decay, state, kw, k1, PARAM_DTYPE,
+                           HAS_MASTER, HAS_MOMENTUM, NESTEROV, MAXIMIZE, MASTER_FORMAT, STATE_BF16, STATE_Q8,
+                           False, BLOCK)
             if full * BLOCK < count:
-                _sgd_block(param_ptr, grad_ptr, w_ptr, buf_c, full * BLOCK + lanes, count, coef, lr, first,
-                           momentum, one_minus_dampening, weight_decay, state, kw, k1, PARAM_DTYPE, HAS_MASTER,
-                           HAS_MOMENTUM, NESTEROV, MAXIMIZE, MASTER_FORMAT, STATE_BF16, True)
+                _sgd_block(param_ptr, grad_ptr, w_ptr, buf_c, sc, full * BLOCK, full * BLOCK + lanes, count, coef,
+                           lr, first, momentum, one_minus_dampening, weight_decay, state, kw, k1, PARAM_DTYPE,
+                           HAS_MASTER, HAS_MOMENTUM, NESTEROV, MAXIMIZE, MASTER_FORMAT, STATE_BF16, STATE_Q8,
+                           True, BLOCK)
         _advance_steps(steps_ptr, table_ptr, T, counter_ptr, TBLOCK)
 
 
 def sgd_step_(plan, count, param_dtype, grad_dtype, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
               counter, momentum: float, dampening: float, weight_decay: float, nesterov: bool, max_norm: float,
-              maximize: bool = False, seed=None) -> None:
+              maximize: bool = False, seed=None, state_scales=None) -> None:
     """One SGD step with torch's semantics over the parameters of ``plan``; math as
     ``ampfused.ops.reference.sgd_step_``.
 
@@ -103,7 +115,8 @@ def sgd_step_(plan, count, param_dtype, grad_dtype, master, momentum_buf, steps,
         w -= lr * g;  param = round_to_nearest_even(w);  steps[i] += 1;  out_stats = [norm, found_inf]
 
     Tensors as :func:`ampfused.triton_kernels.adam.adam_step_`; momentum_buf (a flat fp32 buffer) is
-    required when momentum != 0, else ignored. When found_inf, only out_stats is written.
+    required when momentum != 0, else ignored; a uint8 one holds 8-bit codes with their block scales in
+    ``state_scales`` (``[1, blocks]`` fp32, contiguous). When found_inf, only out_stats is written.
     """
     programs = max(grid_size(plan.num_chunks, MAX_PROGRAMS), 1)
     has_momentum = momentum != 0
@@ -113,10 +126,10 @@ def sgd_step_(plan, count, param_dtype, grad_dtype, master, momentum_buf, steps,
             plan.table, plan.chunks, plan.num_chunks, count, nonempty(master, out_stats),
             nonempty(momentum_buf if has_momentum else None, out_stats), nonempty(steps, out_stats),
             nonempty(partials, out_stats), inv_scale, lr, out_stats, counter, nonempty(seed, counter),
-            partials.shape[1], partials.stride(0), partials.stride(1),
+            nonempty(state_scales if fmt.state_q8 else None, out_stats), partials.shape[1], partials.stride(0), partials.stride(1),
             momentum, 1.0 - dampening, weight_decay, max_norm,
             PARAM_DTYPE=TL_DTYPES[param_dtype], GRAD_DTYPE=TL_DTYPES[grad_dtype], HAS_MASTER=fmt.has_fp32_master,
             HAS_MOMENTUM=has_momentum, NESTEROV=bool(nesterov), MAXIMIZE=bool(maximize),
             CLIP=not math.isinf(max_norm), ALIGNED=plan.aligned, MASTER_FORMAT=fmt.master,
-            STATE_BF16=fmt.state_bf16, USE_SEED=seed is not None, CHUNK=plan.chunk, BLOCK=BLOCK, PBLOCK=PBLOCK,
+            STATE_BF16=fmt.state_bf16, STATE_Q8=fmt.state_q8, USE_SEED=seed is not None, CHUNK=plan.chunk, BLOCK=BLOCK, PBLOCK=PBLOCK,
             TBLOCK=TBLOCK, num_warps=NUM_WARPS, **LAUNCH_OPTIONS)

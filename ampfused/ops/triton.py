@@ -136,9 +136,11 @@ class TritonBackend(Backend):
             c = self._counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
         return c
 
-    def _step_plan(self, params: List[Tensor], grads: List[Optional[Tensor]], steps: Tensor, chunk: int):
-        """The tensor table and chunk list of a step, reused while the call site's tensors are unchanged."""
-        return self._plan_of_rows(_native.step_table(params, grads)[0], steps, chunk)
+    def _step_plan(self, params: List[Tensor], grads: List[Optional[Tensor]], steps: Tensor, chunk: int,
+                   align: int = _native.STATE_ALIGN):
+        """The tensor table and chunk list of a step (state offsets at multiples of ``align``), reused while the
+        call site's tensors are unchanged."""
+        return self._plan_of_rows(_native.step_table(params, grads, align)[0], steps, chunk)
 
     def _plan_of_rows(self, rows: List[int], steps: Tensor, chunk: int):
         device = steps.device
@@ -191,16 +193,17 @@ class TritonBackend(Backend):
                                                backoff_factor, growth_interval, inv_scale, skipped)
 
     def adam_step_(self, params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
-                   beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize=False, seed=None) -> None:
+                   beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize=False, seed=None,
+                   state_scales=None) -> None:
         """Adam/AdamW over lists of parameters and gradients; see :func:`ampfused.ops.reference.adam_step_`."""
         params, grads = list(params), list(grads)
         _native.check_step(self.name, params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
-                           steps, partials, inv_scale, lr, out_stats, seed)
+                           steps, partials, inv_scale, lr, out_stats, seed, state_scales)
         k = _kernels("adam")
-        plan = self._step_plan(params, grads, steps, k.CHUNK)
+        plan = self._step_plan(params, grads, steps, k.CHUNK, _native.layout_align(exp_avg))
         k.adam_step_(plan, len(params), *self._step_dtypes(params, grads), master, exp_avg, exp_avg_sq, steps,
                      partials, inv_scale, lr, out_stats, self._counter(steps.device), beta1, beta2, eps,
-                     weight_decay, max_norm, decoupled, maximize, seed)
+                     weight_decay, max_norm, decoupled, maximize, seed, state_scales)
 
     # ---- the fused optimizers' own tables (see cpu.py): the same kernels and cached plans ----------------
     takes_tables = True
@@ -236,22 +239,24 @@ class TritonBackend(Backend):
             "the parameters and gradients of a step")
 
     def adam_step_table(self, table: tuple, dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
-                        out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize, seed=None) -> None:
+                        out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize, seed=None,
+                        state_scales=None) -> None:
         k = _kernels("adam")
         k.adam_step_(self._table_plan(table, steps, k.CHUNK), table[1], dtype, dtype, master, exp_avg, exp_avg_sq,
                      steps, partials, inv_scale, lr, out_stats, self._counter(steps.device), beta1, beta2, eps,
-                     weight_decay, max_norm, decoupled, maximize, seed)
+                     weight_decay, max_norm, decoupled, maximize, seed, state_scales)
 
     def sgd_step_table(self, table: tuple, dtype, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
-                       momentum, dampening, weight_decay, nesterov, max_norm, maximize, seed=None) -> None:
+                       momentum, dampening, weight_decay, nesterov, max_norm, maximize, seed=None,
+                       state_scales=None) -> None:
         k = _kernels("sgd")
         buf = momentum_buf if momentum != 0 else None
         k.sgd_step_(self._table_plan(table, steps, k.CHUNK), table[1], dtype, dtype, master, buf, steps, partials,
                     inv_scale, lr, out_stats, self._counter(steps.device), momentum, dampening, weight_decay,
-                    nesterov, max_norm, maximize, seed)
+                    nesterov, max_norm, maximize, seed, state_scales)
 
     def sgd_step_(self, params, grads, master, momentum_buf, steps, partials, inv_scale, lr, out_stats, momentum,
-                  dampening, weight_decay, nesterov, max_norm, maximize=False, seed=None) -> None:
+                  dampening, weight_decay, nesterov, max_norm, maximize=False, seed=None, state_scales=None) -> None:
         """SGD over lists of parameters and gradients; see :func:`ampfused.ops.reference.sgd_step_`."""
         params, grads = list(params), list(grads)
         if momentum != 0 and momentum_buf is None:
@@ -259,12 +264,12 @@ class TritonBackend(Backend):
         buf = momentum_buf if momentum != 0 else None
         states = [("momentum_buf", buf)] if buf is not None else []
         _native.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
-                           seed)
+                           seed, state_scales)
         k = _kernels("sgd")
-        plan = self._step_plan(params, grads, steps, k.CHUNK)
+        plan = self._step_plan(params, grads, steps, k.CHUNK, _native.layout_align(buf))
         k.sgd_step_(plan, len(params), *self._step_dtypes(params, grads), master, buf, steps, partials, inv_scale,
                     lr, out_stats, self._counter(steps.device), momentum, dampening, weight_decay, nesterov,
-                    max_norm, maximize, seed)
+                    max_norm, maximize, seed, state_scales)
 
 
 BACKEND = TritonBackend()

@@ -1,0 +1,146 @@
+"""8-bit moments in the Triton step kernels: the codec of ``ampfused.ops.state_precision`` (``q8_*``, the
+specification; ``csrc/include/ampfused/math.h`` holds the same expressions in C++) on int32 / uint32 blocks.
+
+A moment of this format is a uint8 buffer of codes beside ``state_scales`` (fp32, ``[moments, blocks]``), one
+power-of-two scale per block of ``QBLOCK = 256`` consecutive elements of the flat buffers. Parameters start at
+multiples of QBLOCK in this layout and a chunk of the work list at a multiple of the chunk (a multiple of the
+kernel's block, itself a multiple of QBLOCK) within its parameter, so a kernel block of ``BLOCK`` lanes holds
+``BLOCK // QBLOCK`` whole quantization blocks, of one parameter: row ``k`` of its ``[BLOCK // QBLOCK, QBLOCK]``
+reshape is the flat buffer's block ``(state + base) // QBLOCK + k``. A block past the parameter's end (the
+parameter's tail block) is masked out; the lanes of a partial block past the end count as zeros in its
+maximum and are never read or written.
+
+Integer arithmetic stays in int32 where values are signed (exponent fields, shifts) and in uint32 for bit
+patterns, with every shift amount in [0, 31] (numpy, the interpreter's arithmetic, and the GPU agree there).
+"""
+import triton
+import triton.language as tl
+
+from ._compact import _random_bits
+
+QBLOCK = tl.constexpr(256)
+Q8_MIN_EXP = tl.constexpr(40)
+Q8_MAX_EXP = tl.constexpr(253)
+INF_BITS = tl.constexpr(0x7F800000)
+
+
+@triton.jit
+def _q8_top(SIGNED: tl.constexpr):
+    """Exponent field of a block's largest value: 14 for signed codes, 30 for unsigned ones."""
+    if SIGNED:
+        return 14
+    else:
+        return 30
+
+
+@triton.jit
+def _q8_abs_bits(x):
+    """``state_precision.q8_abs_bits``: |x|'s fp32 bits (int32, never negative), a NaN counted as inf."""
+    return tl.minimum(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, INF_BITS)
+
+
+@triton.jit
+def _q8_clamp(e):
+    return tl.minimum(tl.maximum(e, Q8_MIN_EXP), Q8_MAX_EXP)
+
+
+@triton.jit
+def _q8_exponent(scale):
+    """``state_precision.q8_exponent``: the block exponents (int32) of fp32 scales (only the exponent field is
+    read; a zero scale reads as Q8_MIN_EXP)."""
+    return _q8_clamp((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF)
+
+
+@triton.jit
+def _q8_scale(e):
+    """``state_precision.q8_scale``: the fp32 scale ``2**(E - 127)`` of block exponents E (int32 in range)."""
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _q8_encode(x, e_block, r, SIGNED: tl.constexpr):
+    """``state_precision.q8_encode`` with stochastic rounding: fp32 values, their blocks' exponents (int32,
+    broadcast per element) and 32-bit draws (uint32) -> uint8 codes."""
+    u = x.to(tl.uint32, bitcast=True)
+    a = _q8_abs_bits(x)
+    ex = a >> 23
+    sig = ((a & 0x7FFFFF) | tl.where(ex > 0, 0x800000, 0)).to(tl.uint32)
+    e = tl.maximum(ex, 1) - e_block + _q8_top(SIGNED)  # the code's exponent field (may be <= 0)
+    shift = 20 + tl.maximum(1 - e, 0)                   # significand bits the code drops
+    s = tl.minimum(shift, 31).to(tl.uint32)
+    low = (tl.full((), 1, tl.uint32) << s) - 1
+    q = tl.where(shift > 31, 0, ((sig + (r & low)) >> s).to(tl.int32))
+    if SIGNED:
+        mag = tl.minimum((tl.maximum(e, 1) - 1) * 8 + q, 0x7F)
+        code = mag | ((u >> 24) & 0x80).to(tl.int32)
+    else:
+        code = tl.minimum((tl.maximum(e, 1) - 1) * 8 + q, 0xFF)
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def _q8_decode(code, e_block, SIGNED: tl.constexpr):
+    """``state_precision.q8_decode``: uint8 codes and their blocks' exponents (int32) -> fp32 values, exactly
+    (integer and power-of-two arithmetic; never an fp32 subnormal)."""
+    c = code.to(tl.int32)
+    if SIGNED:
+        mag = c & 0x7F
+    else:
+        mag = c
+    e = mag >> 3
+    f = mag & 7
+    top = _q8_top(SIGNED)
+    normal = (((e_block - top + e) << 23) | (f << 20)).to(tl.float32, bitcast=True)
+    unit = ((e_block - top - 2) << 23).to(tl.float32, bitcast=True)  # 2**(E - top - 129)
+    value = tl.where(e > 0, normal, f.to(tl.float32) * unit)
+    if SIGNED:
+        value = tl.where((c & 0x80) != 0, -value, value)
+    return value
+
+
+@triton.jit
+def _per_lane(e_rows, BLOCK: tl.constexpr):
+    """``[BLOCK // QBLOCK]`` per-block values -> ``[BLOCK]``, each lane its block's."""
+    return tl.reshape(tl.broadcast_to(e_rows[:, None], [BLOCK // QBLOCK, QBLOCK]), [BLOCK])
+
+
+@triton.jit
+def _block_live(base, n, BLOCK: tl.constexpr):
+    """Which of the kernel block's quantization blocks (it starts at ``base`` of a chunk of ``n`` elements)
+    hold elements of the parameter."""
+    return base + tl.arange(0, BLOCK // QBLOCK) * QBLOCK < n
+
+
+@triton.jit
+def _load_q8(ptr, scale_ptr, idx, n, base, SIGNED: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
+    """A moment's fp32 values at the chunk's lanes ``idx = base + arange(BLOCK)``: its codes decoded with their
+    blocks' scales (``scale_ptr``: the chunk's first block in its row of ``state_scales``)."""
+    rows = base // QBLOCK + tl.arange(0, BLOCK // QBLOCK)
+    if MASKED:
+        code = tl.load(ptr + idx, mask=idx < n, other=0)
+        scale = tl.load(scale_ptr + rows, mask=_block_live(base, n, BLOCK), other=0.0)
+    else:
+        code = tl.load(ptr + idx)
+        scale = tl.load(scale_ptr + rows)
+    return _q8_decode(code, _per_lane(_q8_exponent(scale), BLOCK), SIGNED)
+
+
+@triton.jit
+def _store_q8(ptr, scale_ptr, idx, n, base, value, key, index, SIGNED: tl.constexpr, MASKED: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """Stores a moment's new fp32 values as codes: each block's exponent from the largest ``q8_abs_bits`` of
+    its new values (of the parameter's elements only), every element encoded with it and its draw
+    ``random_bits(key, index)``, and the blocks' scales."""
+    a = _q8_abs_bits(value)
+    if MASKED:
+        a = tl.where(idx < n, a, 0)
+    e_rows = _q8_clamp(tl.max(tl.reshape(a, [BLOCK // QBLOCK, QBLOCK]), axis=1) >> 23)
+    code = _q8_encode(value, _per_lane(e_rows, BLOCK), _random_bits(key, index), SIGNED)
+    rows = base // QBLOCK + tl.arange(0, BLOCK // QBLOCK)
+    if MASKED:
+        tl.store(ptr + idx, code, mask=idx < n)
+        tl.store(scale_ptr + rows, _q8_scale(e_rows), mask=_block_live(base, n, BLOCK))
+    else:
+        tl.store(ptr + idx, code)
+        tl.store(scale_ptr + rows, _q8_scale(e_rows))
+
