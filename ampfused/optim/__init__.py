@@ -1,6 +1,7 @@
 """Fused optimizers with fp32 master weights: the parameters and gradients read where they live, the optimizer's
 own state (masters, moments, step counts) in flat buffers per segment (``_segment.py``)."""
 from .adam import FusedAdam, FusedAdamW
+from ._state import torch_state_dict
 from .sgd import FusedSGD
 
-__all__ = ["FusedAdam", "FusedAdamW", "FusedSGD"]
+__all__ = ["FusedAdam", "FusedAdamW", "FusedSGD", "torch_state_dict"]

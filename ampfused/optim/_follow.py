@@ -232,7 +232,7 @@ class FollowParameters:
 
     def _bind_one(self, seg: Segment, i: int) -> None:
         p = seg.params[i]
-        values = {name: seg.state_view(flat, i) for name, flat in seg.states.items()}
+        values = seg.state_views(i)  # (8-bit moments: with their block scales)
         if seg.master is not None:
             values[master_key(seg)] = seg.state_view(seg.master, i)
         values["step"] = seg.steps[i]

@@ -7,8 +7,9 @@ The options (``docs/state-precision.md``), named as TransformerEngine's and torc
   (:mod:`ampfused.ops.state_precision`). fp16 parameters keep fp32 masters.
 * ``bf16_stochastic_round=True``: bf16 parameters keep no master; the update is computed in fp32 and rounded
   to bf16 stochastically.
-* ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (Adam) or ``momentum_dtype`` (SGD): ``torch.float32`` (default) or
-  ``torch.bfloat16`` (stored with stochastic rounding).
+* ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (Adam) or ``momentum_dtype`` (SGD): ``torch.float32`` (default),
+  ``torch.bfloat16`` (stored with stochastic rounding) or ``torch.uint8`` (8-bit moments: block-scaled 8-bit
+  float codes, one fp32 power-of-two scale per block of 256 elements, stored with stochastic rounding).
 * ``seed``: the stochastic rounding's seed (an int). Each segment draws with its own seed derived from it, so
   two segments never share random bits.
 """
@@ -21,7 +22,7 @@ from torch import Tensor
 
 from ..ops import state_precision as sp
 
-MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
 
 
 class Precision(NamedTuple):
@@ -32,7 +33,12 @@ class Precision(NamedTuple):
 
     @property
     def uses_seed(self) -> bool:
-        return self.stochastic_round or self.moments == torch.bfloat16
+        return self.stochastic_round or self.moments != torch.float32
+
+    @property
+    def q8(self) -> bool:
+        """8-bit moments (uint8 codes with block scales)."""
+        return self.moments == torch.uint8
 
     def master_format(self, dtype: torch.dtype, use_master: bool) -> int:
         """The format of a segment of ``dtype`` parameters (``use_master``: it would keep an fp32 master)."""
@@ -68,7 +74,8 @@ def make(cls_name: str, master_weights: Optional[bool], store_param_remainders: 
     dtypes = set()
     for name, d in moment_dtypes.items():
         if d not in MOMENT_DTYPES:
-            raise ValueError(f"{cls_name}: {name} must be torch.float32 or torch.bfloat16, got {d!r}")
+            raise ValueError(f"{cls_name}: {name} must be torch.float32 or torch.bfloat16, or torch.uint8 (8-bit "
+                             f"moments), got {d!r}")
         dtypes.add(d)
     if len(dtypes) > 1:
         raise ValueError(f"{cls_name}: {' and '.join(moment_dtypes)} must be the same dtype (a step stores its moments "
@@ -80,10 +87,12 @@ def make(cls_name: str, master_weights: Optional[bool], store_param_remainders: 
 
 
 def bytes_per_param(precision: Precision, dtype: torch.dtype, n_states: int, use_master: bool) -> float:
-    """Bytes of optimizer state per parameter of ``dtype`` (without the weight itself)."""
+    """Bytes of optimizer state per parameter of ``dtype`` (without the weight itself); 8-bit moments count their
+    block scales (4 bytes per ``QBLOCK`` elements) and not the gaps of a parameter's last, partial block."""
     fmt = precision.master_format(dtype, use_master)
     master = {sp.MASTER_REMAINDER: 2, sp.MASTER_NONE: 0}.get(fmt, 4 if use_master else 0)
-    return master + n_states * (2 if precision.moments == torch.bfloat16 else 4)
+    per_moment = {torch.bfloat16: 2, torch.uint8: 1 + 4 / sp.QBLOCK}.get(precision.moments, 4)
+    return master + n_states * per_moment
 
 
 def master_key(seg) -> str:

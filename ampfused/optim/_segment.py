@@ -17,13 +17,15 @@ parameters (:meth:`Segment.state_view`), so ``torch.distributed.checkpoint`` sav
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional
 
 import numpy
 import torch
 from torch import Tensor
 
-from ..ops import state_layout
+from ..ops import memory_view, state_layout
+from ..ops.reference import STATE_ALIGN
 from ..ops import state_precision as sp
 from ._precision import Precision
 
@@ -69,25 +71,35 @@ class Segment:
         tensors = self.tensors()
         p0 = tensors[0]
         self.dtype, self.device = p0.dtype, p0.device
-        self.offsets, self.total = state_layout([p.numel() for p in tensors])
-        self.layouts = [layout_of(p) for p in tensors]
-        self.contiguous = [p.is_contiguous() for p in tensors]
-        self.device_index = p0.get_device()  # what Tensor.get_device() says for tensors on this device
         f32 = dict(dtype=torch.float32, device=self.device)
         # state precision (docs/state-precision.md): int16 remainders in place of bf16 parameters' masters, or no
-        # master (stochastic rounding); moments in fp32 or bf16; the seed of the segment's stochastic rounding
+        # master (stochastic rounding); moments in fp32, bf16 or 8-bit codes; the seed of the segment's
+        # stochastic rounding
         self.precision = precision or Precision()
         self.master_format = self.precision.master_format(self.dtype, use_master)
         use_master = use_master and self.master_format != sp.MASTER_NONE
+        moments = self.precision.moments if (use_master or self.dtype in (torch.float32, torch.bfloat16)) \
+            else torch.float32
+        if moments == torch.uint8 and self.sharded:
+            raise ValueError("8-bit moments (torch.uint8) are not supported for FSDP2-sharded (DTensor) parameters: "
+                             "their block scales have no placement like the parameters'; use torch.bfloat16 moments")
+        # 8-bit moments: parameters start at multiples of QBLOCK, so each block of codes is one parameter's
+        self.offsets, self.total = state_layout([p.numel() for p in tensors],
+                                                sp.QBLOCK if moments == torch.uint8 else STATE_ALIGN)
+        self.layouts = [layout_of(p) for p in tensors]
+        self.contiguous = [p.is_contiguous() for p in tensors]
+        self.device_index = p0.get_device()  # what Tensor.get_device() says for tensors on this device
         master_dtype = torch.int16 if self.master_format == sp.MASTER_REMAINDER else torch.float32
         self.master: Optional[Tensor] = (torch.zeros(self.total, dtype=master_dtype, device=self.device)
                                          if use_master else None)  # gaps stay 0
-        moments = self.precision.moments if (use_master or self.dtype in (torch.float32, torch.bfloat16)) \
-            else torch.float32
         self.states: Dict[str, Tensor] = {name: torch.zeros(self.total, dtype=moments, device=self.device)
                                           for name in state_names}
+        # 8-bit moments' block scales: one row per moment (in state_names' order), one column per block (zero
+        # scales decode fresh all-zero codes as zeros)
+        self.scales: Optional[Tensor] = (torch.zeros(len(state_names), sp.q8_blocks(self.total), **f32)
+                                         if moments == torch.uint8 else None)
         self.seed = (self.precision.segment_seed(group_index, self.dtype, self.device)
-                     if self.master_format == sp.MASTER_NONE or moments == torch.bfloat16 else None)
+                     if self.master_format == sp.MASTER_NONE or moments in sp.COMPACT_STATE_DTYPES else None)
         self.steps = torch.zeros(len(self.params), **f32)
         self.has_state = [False] * len(self.params)  # as torch.optim: state exists once a step saw a gradient
         self.lr = torch.zeros((), **f32)
@@ -158,6 +170,52 @@ class Segment:
         p = self.params[i]
         return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
+    # ---- 8-bit moments (docs/state-precision.md): codes in ``states``, block scales in ``scales`` -------------
+    def blocks(self, i: int) -> slice:
+        """Parameter ``i``'s columns of ``scales``: its own blocks (its slice starts at a multiple of QBLOCK)."""
+        first = self.offsets[i] // sp.QBLOCK
+        return slice(first, first + sp.q8_blocks(math.prod(self.layouts[i][2])))
+
+    def scale_view(self, name: str, i: int, scales: Optional[Tensor] = None) -> Tensor:
+        """Parameter ``i``'s block scales of moment ``name`` (a view of ``scales``, the segment's by default)."""
+        scales = self.scales if scales is None else scales
+        return scales[list(self.states).index(name), self.blocks(i)]
+
+    def state_views(self, i: int) -> Dict[str, Tensor]:
+        """Parameter ``i``'s moments as the state dict shows them: views shaped like the parameter, and for 8-bit
+        moments their block scales as ``<name>_scale`` (1-D fp32)."""
+        out = {name: self.state_view(flat, i) for name, flat in self.states.items()}
+        if getattr(self, "scales", None) is not None:
+            out.update({f"{name}_scale": self.scale_view(name, i) for name in self.states})
+        return out
+
+    def moment_values(self, name: str, i: int) -> Tensor:
+        """Parameter ``i``'s moment ``name`` as fp32 values shaped like its (local) parameter: 8-bit codes decoded
+        (exact), other formats converted exactly."""
+        v = self.view(self.states[name], i)
+        if v.dtype != torch.uint8:
+            return v.float()
+        values = sp.q8_dequantize(memory_view(v), self.scale_view(name, i), sp.q8_signed(name))
+        _, _, shape, stride = self.layouts[i]
+        return values.as_strided(shape, stride)
+
+    def set_moment(self, name: str, i: int, values: Tensor, states: Optional[Dict[str, Tensor]] = None,
+                   scales: Optional[Tensor] = None) -> None:
+        """Write ``values`` (shaped like parameter ``i``) into its moment ``name`` of ``states`` / ``scales`` (the
+        segment's by default): 8-bit codes rounded to nearest (:func:`state_precision.q8_quantize`) with new
+        block scales, bf16 rounded to nearest even, fp32 as given."""
+        states = self.states if states is None else states
+        mine = self.view(states[name], i)
+        if mine.dtype != torch.uint8:
+            mine.copy_(values)
+            return
+        _, _, shape, stride = self.layouts[i]
+        ordered = torch.empty_strided(shape, stride, dtype=torch.float32, device=mine.device)
+        ordered.copy_(values)
+        codes, block_scales = sp.q8_quantize(memory_view(ordered), sp.q8_signed(name))
+        memory_view(mine).copy_(codes)
+        self.scale_view(name, i, scales).copy_(block_scales)
+
     def remember(self) -> None:
         """Record the parameters' addresses and version counters as the segment's own view of them."""
         if torch.compiler.is_compiling():
@@ -198,6 +256,20 @@ def _keep_or_rebuild(master: Tensor, p: Tensor) -> Tensor:
     return torch.where(same, master, p.float())
 
 
+def _carry_moment(seg: Segment, i: int, prev: Segment, j: int, name: str) -> None:
+    """Moment ``name`` of ``prev``'s parameter ``j`` into ``seg``'s parameter ``i``: 8-bit codes and their scales
+    bit for bit while the parameter keeps its shape and strides (its blocks are then the same elements), else
+    through the fp32 values (re-encoded to nearest); other formats copied (converted) as values."""
+    mine, theirs = seg.view(seg.states[name], i), prev.view(prev.states[name], j)
+    if mine.dtype == theirs.dtype == torch.uint8 and seg.layouts[i][2:] == prev.layouts[j][2:]:
+        memory_view(mine).copy_(memory_view(theirs))
+        seg.scale_view(name, i).copy_(prev.scale_view(name, j))
+    elif torch.uint8 in (mine.dtype, theirs.dtype):
+        seg.set_moment(name, i, prev.moment_values(name, j))
+    else:
+        mine.copy_(theirs)
+
+
 @torch.no_grad()
 def build_segment(group_index: int, params: List[Tensor], use_master: bool, state_names: tuple,
                   previous: Dict[int, tuple], precision: Optional[Precision] = None) -> Segment:
@@ -213,9 +285,9 @@ def build_segment(group_index: int, params: List[Tensor], use_master: bool, stat
                 seg.set_master_from(i, p)
             continue
         prev, j = old
-        for name, flat in seg.states.items():
+        for name in seg.states:
             if name in prev.states:
-                seg.view(flat, i).copy_(prev.view(prev.states[name], j))
+                _carry_moment(seg, i, prev, j, name)
         seg.steps[i:i + 1].copy_(prev.steps[j:j + 1])
         seg.has_state[i] = prev.has_state[j]
         if seg.master is not None:

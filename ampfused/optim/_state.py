@@ -14,6 +14,8 @@ import torch
 from torch import Tensor
 
 from . import _params as P
+from ..ops import memory_view
+from ..ops import state_precision as sp
 from ._precision import master_key, remainders_from
 from ._segment import is_dtensor, local
 
@@ -77,7 +79,7 @@ def export_state_dict(opt) -> dict:
         group = opt.param_groups[seg.group_index]
         for i, p in enumerate(seg.params):
             if seg.has_state[i]:
-                st = {name: seg.state_view(flat, i) for name, flat in seg.states.items()}
+                st = seg.state_views(i)  # (8-bit moments: codes and their block scales)
                 if seg.master is not None:
                     st[master_key(seg)] = seg.state_view(seg.master, i)
                 entry = opt._export_param_state(st, steps[i], group)
@@ -119,7 +121,7 @@ def _saved_step(opt, saved: dict, where: str) -> float:
         raise ValueError(f"loaded optimizer state of {where} has no usable step ({e})") from None
 
 
-def _check_value(key: str, v, p: Tensor, where: str) -> None:
+def _check_value(key: str, v, p: Tensor, where: str, codes: bool = False) -> None:
     if not isinstance(v, Tensor):
         raise ValueError(f"loaded state '{key}' of {where} must be a tensor, got {type(v).__name__}")
     if is_dtensor(p):
@@ -136,8 +138,9 @@ def _check_value(key: str, v, p: Tensor, where: str) -> None:
     if v.numel() != p.numel():
         raise ValueError(f"loaded state '{key}' of {where} must have {p.numel()} elements like the parameter "
                          f"(shape {tuple(p.shape)}), got shape {tuple(v.shape)}")
-    if not v.is_floating_point():
-        raise ValueError(f"loaded state '{key}' of {where} has dtype {v.dtype}; optimizer states are floating point")
+    if not v.is_floating_point() and not (codes and v.dtype == torch.uint8):
+        raise ValueError(f"loaded state '{key}' of {where} has dtype {v.dtype}; optimizer states are floating point "
+                         "(or uint8 8-bit moment codes with their block scales)")
     if v.is_meta:
         raise ValueError(f"loaded state '{key}' of {where} is a meta tensor (it holds no values)")
     if v.layout != torch.strided:
@@ -186,8 +189,61 @@ def checked_entry(opt, saved_state: dict, sid, p: Tensor):
     if missing:
         raise ValueError(f"loaded state of {where} lacks {missing}")
     for key in keys + (["master_param"] if "master_param" in e else []):
-        _check_value(key, e[key], p, where)
+        _check_value(key, e[key], p, where, codes=key in keys)
+        if key in keys and e[key].dtype == torch.uint8:
+            _check_codes(key, e, p, where)
     return e, keys, _saved_step(opt, e, where)
+
+
+def _check_codes(key: str, e: dict, p: Tensor, where: str) -> None:
+    """8-bit moment codes ``e[key]``: in the parameter's memory order (its strides, or contiguous), with their
+    block scales ``e[key + '_scale']`` (fp32, one per block of QBLOCK of the parameter's elements, each zero or
+    a power of two in the format's range)."""
+    v, p = local(e[key]), local(p)
+    if v.stride() != p.stride() and not v.is_contiguous():
+        raise ValueError(f"loaded state '{key}' of {where} holds 8-bit codes, which must keep the parameter's "
+                         f"strides {p.stride()} or be contiguous (their blocks follow memory order), got strides "
+                         f"{v.stride()}")
+    skey = f"{key}_scale"
+    s = e.get(skey)
+    if not isinstance(s, Tensor):
+        raise ValueError(f"loaded state '{key}' of {where} holds 8-bit codes (uint8) and needs their block scales "
+                         f"'{skey}' (a float32 tensor), got {type(s).__name__}")
+    blocks = sp.q8_blocks(p.numel())
+    if s.dtype != torch.float32 or s.is_meta or s.layout != torch.strided or s.dim() != 1 or s.numel() != blocks:
+        raise ValueError(f"loaded state '{skey}' of {where} must be a float32 tensor of shape ({blocks},) (one scale "
+                         f"per block of {sp.QBLOCK} of the parameter's elements), got {s.dtype} of shape "
+                         f"{tuple(s.shape)}")
+    bits = s.detach().cpu().view(torch.int32).to(torch.int64) & sp.M32
+    exponent = (bits >> 23) & 0xFF
+    ok = (bits == 0) | (((bits & 0x807FFFFF) == 0) & (exponent >= sp.Q8_MIN_EXP) & (exponent <= sp.Q8_MAX_EXP))
+    if not bool(ok.all()):
+        bad = s.detach().cpu()[~ok][0].item()
+        raise ValueError(f"loaded state '{skey}' of {where} must hold zeros or powers of two 2**k with k in "
+                         f"[{sp.Q8_MIN_EXP - 127}, {sp.Q8_MAX_EXP - 127}] (block scales of 8-bit moments), got {bad}")
+
+
+def _codes_values(key: str, e: dict) -> Tensor:
+    """The fp32 values of loaded 8-bit codes ``e[key]`` (checked by :func:`_check_codes`), shaped like them."""
+    v = local(e[key])
+    flat = memory_view(v) if not v.is_contiguous() else v.reshape(-1)
+    values = sp.q8_dequantize(flat, e[f"{key}_scale"].to(v.device), sp.q8_signed(key))
+    return values.as_strided(v.shape, v.stride()) if not v.is_contiguous() else values.view(v.shape)
+
+
+def _load_moment(seg, i: int, key: str, e: dict, p: Tensor, states: dict, scales) -> None:
+    """Saved moment ``e[key]`` into parameter ``i``'s slice of the new ``states`` (and ``scales``): 8-bit codes
+    into 8-bit moments bit for bit (kept with their scales), else as values (codes decoded exactly, then 8-bit
+    moments encoded to nearest, bf16 rounded to nearest even)."""
+    v = local(e[key])
+    mine = seg.view(states[key], i)
+    if v.dtype == torch.uint8 and mine.dtype == torch.uint8 and (v.stride() == mine.stride() or v.is_contiguous()
+                                                                  and mine.is_contiguous()):
+        memory_view(mine).copy_(memory_view(v) if not v.is_contiguous() else v.reshape(-1))
+        seg.scale_view(key, i, scales).copy_(e[f"{key}_scale"])
+        return
+    values = _codes_values(key, e) if v.dtype == torch.uint8 else v
+    seg.set_moment(key, i, values.reshape(p.shape), states, scales)
 
 
 def import_state_dict(opt, state_dict: dict) -> None:
@@ -202,13 +258,14 @@ def import_state_dict(opt, state_dict: dict) -> None:
     with torch.no_grad():
         for seg, entries in plans:
             states = {name: torch.zeros_like(flat) for name, flat in seg.states.items()}
+            scales = torch.zeros_like(seg.scales) if getattr(seg, "scales", None) is not None else None
             master = torch.zeros_like(seg.master) if seg.master is not None else None
             steps = [0.0] * len(seg.params)
             for i, (p, entry) in enumerate(zip(seg.tensors(), entries)):
                 if entry is not None:
                     e, keys, steps[i] = entry
                     for key in keys:
-                        seg.view(states[key], i).copy_(local(e[key]).reshape(p.shape))
+                        _load_moment(seg, i, key, e, p, states, scales)
                 if master is not None and master.dtype == torch.int16:  # remainders (docs/state-precision.md)
                     e = entry[0] if entry is not None else {}
                     mine = seg.view(master, i)
@@ -219,10 +276,12 @@ def import_state_dict(opt, state_dict: dict) -> None:
                 elif master is not None:
                     src = entry[0].get("master_param") if entry is not None else None
                     seg.view(master, i).copy_(local(src).reshape(p.shape) if src is not None else p.detach())
-            built.append((seg, states, master, torch.tensor(steps, dtype=torch.float32).to(seg.device),
+            built.append((seg, states, scales, master, torch.tensor(steps, dtype=torch.float32).to(seg.device),
                           [entry is not None for entry in entries]))
-    for seg, states, master, steps, has_state in built:
+    for seg, states, scales, master, steps, has_state in built:
         seg.states, seg.master, seg.steps, seg.has_state = states, master, steps, has_state
+        if scales is not None:
+            seg.scales = scales
         seg.all_state = False
         seg.lr_value = None
         seg.forget()  # the next step compares every parameter with its (loaded) master
@@ -241,3 +300,22 @@ def import_state_dict(opt, state_dict: dict) -> None:
             opt.state[k] = v
     opt._partials_cache = None
     opt._bind_state()
+
+
+def torch_state_dict(state_dict: dict) -> dict:
+    """``state_dict`` (a fused optimizer's, any state precision) for ``torch.optim``'s optimizers: 8-bit moments
+    decoded exactly to fp32 (:func:`ampfused.ops.state_precision.q8_dequantize`) and their ``<name>_scale`` keys
+    dropped. Everything else is kept as it is (the same tensors): torch casts bf16 moments to each parameter's
+    dtype on load, and carries ``master_param`` / ``master_remainder`` along without using them."""
+    state = {}
+    for k, entry in state_dict["state"].items():
+        if isinstance(entry, dict):
+            coded = [key for key, v in entry.items() if isinstance(v, Tensor) and v.dtype == torch.uint8
+                     and isinstance(entry.get(f"{key}_scale"), Tensor)]
+            decoded = {key: _codes_values(key, entry) for key in coded}
+            entry = {key: decoded.get(key, v) for key, v in entry.items()
+                     if not (key.endswith("_scale") and key[:-6] in coded)}
+        state[k] = entry
+    out = dict(state_dict)
+    out["state"] = state
+    return out

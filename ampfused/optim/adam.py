@@ -18,6 +18,13 @@ def _check_unsupported(cls: str, amsgrad, differentiable) -> None:
         raise ValueError(f"differentiable=True: {cls} updates in place without autograd")
 
 
+def _scales_kw(seg) -> dict:
+    """``state_scales=`` for a backend's table entry only when the segment has 8-bit moments (so a backend without
+    them still runs the other modes)."""
+    scales = getattr(seg, "scales", None)
+    return {} if scales is None else {"state_scales": scales}
+
+
 class AdamMath:
     """What makes an optimizer Adam/AdamW, shared by the fused optimizers and their ZeRO-1 sharded versions:
     arguments, the rules of its hyperparameters, the step op and its state in a state dict."""
@@ -68,7 +75,8 @@ class AdamMath:
         ops.call_step_("adam_step_", params, grads, seg.master, seg.states["exp_avg"], seg.states["exp_avg_sq"],
                        seg.steps, partials, inv_scale, lr, self._stats, beta1, beta2,
                        float(group["eps"]), float(group["weight_decay"]), max_norm, decoupled,
-                       bool(group["maximize"]), backend, seed=getattr(seg, "seed", None))
+                       bool(group["maximize"]), backend, seed=getattr(seg, "seed", None),
+                       state_scales=getattr(seg, "scales", None))
 
     def _step_op_table(self, seg, backend, group, partials, inv_scale, lr, max_norm) -> None:
         beta1, beta2, decoupled = self._hyper(group)
@@ -76,7 +84,8 @@ class AdamMath:
         backend.adam_step_table(table, seg.dtype, seg.master, seg.states["exp_avg"],
                                 seg.states["exp_avg_sq"], seg.steps, partials, inv_scale, lr, self._stats,
                                 beta1, beta2, float(group["eps"]), float(group["weight_decay"]),
-                                max_norm, decoupled, bool(group["maximize"]), getattr(seg, "seed", None))
+                                max_norm, decoupled, bool(group["maximize"]), getattr(seg, "seed", None),
+                                **_scales_kw(seg))
 
     def _state_keys_for_load(self, saved: dict):
         if "max_exp_avg_sq" in saved:
@@ -119,7 +128,9 @@ class FusedAdam(_FusedAdamBase):
     the 16 bits of the fp32 master that the weight lacks (10 bytes of state per parameter instead of 12, the
     masters exactly those of the fp32 mode); ``bf16_stochastic_round=True`` keeps no master for bf16 parameters
     and rounds their update stochastically; ``exp_avg_dtype``/``exp_avg_sq_dtype=torch.bfloat16`` store the
-    moments in bf16 (stochastic rounding). ``seed`` keys the stochastic rounding.
+    moments in bf16 (stochastic rounding), ``torch.uint8`` as 8-bit codes with one fp32 power-of-two scale per
+    block of 256 elements (stochastic rounding; about 1.02 bytes per moment). ``seed`` keys the stochastic
+    rounding.
     """
 
 

@@ -9,6 +9,7 @@ from .. import ops
 from . import _precision
 from . import _params as P
 from ._base import FusedOptimizer
+from .adam import _scales_kw
 
 
 class SgdMath:
@@ -45,7 +46,8 @@ class SgdMath:
                        seg.states["momentum_buffer"] if momentum != 0 else None, seg.steps, partials, inv_scale, lr,
                        self._stats, momentum, float(group["dampening"]), float(group["weight_decay"]),
                        bool(group["nesterov"]), max_norm, bool(group["maximize"]), backend,
-                       seed=getattr(seg, "seed", None))
+                       seed=getattr(seg, "seed", None),
+                       state_scales=getattr(seg, "scales", None) if momentum != 0 else None)
 
     def _step_op_table(self, seg, backend, group, partials, inv_scale, lr, max_norm) -> None:
         momentum = float(group["momentum"])
@@ -53,17 +55,25 @@ class SgdMath:
         backend.sgd_step_table(table, seg.dtype, seg.master, seg.states["momentum_buffer"],
                                seg.steps, partials, inv_scale, lr, self._stats, momentum,
                                float(group["dampening"]), float(group["weight_decay"]), bool(group["nesterov"]),
-                               max_norm, bool(group["maximize"]))
+                               max_norm, bool(group["maximize"]), getattr(seg, "seed", None),
+                               **(_scales_kw(seg) if momentum != 0 else {}))
 
     # torch.optim.SGD keeps no step, and state only for parameters of groups with momentum that a step saw: a
-    # parameter without a momentum buffer exports only its master (when it has one), or nothing.
+    # parameter without a momentum buffer exports only its master (when it has one), or nothing; with stochastic
+    # rounding (compact modes) its step count too.
     def _export_param_state(self, st: dict, step: float, group: Optional[dict] = None) -> dict:
         groups = [group] if group is not None else self.param_groups
         has_momentum = any(g["momentum"] != 0 for g in groups)
-        out = {"momentum_buffer": st["momentum_buffer"]} if step > 0 and has_momentum else {}
+        out = {k: st[k] for k in ("momentum_buffer", "momentum_buffer_scale") if k in st} \
+            if step > 0 and has_momentum else {}
         for key in ("master_param", "master_remainder"):
             if key in st:
                 out[key] = st[key]
+        precision = getattr(self, "_precision", None)
+        if step > 0 and precision is not None and precision.uses_seed:
+            # the stochastic rounding's draws are keyed by the step count: kept so that a resume draws as the
+            # uninterrupted run (torch.optim.SGD ignores the key)
+            out["step"] = torch.tensor(step, dtype=torch.float32)
         return out
 
     def _import_step(self, saved: dict) -> float:
@@ -80,7 +90,8 @@ class FusedSGD(SgdMath, FusedOptimizer):
     step. ``foreach``, ``fused`` and ``capturable`` are accepted for drop-in use (``foreach`` and ``fused`` kept
     in the param groups as torch keeps them) and do not change the step. State precision
     (docs/state-precision.md): ``store_param_remainders``, ``bf16_stochastic_round`` and ``seed`` as in
-    :class:`ampfused.FusedAdam`; ``momentum_dtype=torch.bfloat16`` stores the momentum buffer in bf16."""
+    :class:`ampfused.FusedAdam`; ``momentum_dtype=torch.bfloat16`` stores the momentum buffer in bf16,
+    ``torch.uint8`` in 8-bit codes with block scales."""
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
