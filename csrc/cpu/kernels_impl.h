@@ -292,58 +292,123 @@ void sgd_range(const StepBufs& b, const StepTensor& t, const SgdConsts& consts, 
   else update_range(lo, hi, update);
 }
 
-// Compact state (math.h): elements [lo, hi) of one parameter with the weight kept as kFmt says (kMaster: an
-// fp32 master buffer exists in the kMasterF32 format) and the moments stored as S (float, or bf16 with
-// stochastic rounding); apply(g, w, s1, s2, consts) is the optimizer's element update (a stateless lambda).
-// Element i draws its random bits at index offset + i of the flat state buffers. 16-bit values are handled as
-// raw uint16 and every choice is made when compiling, so the loop vectorises.
+// random_bits (math.h) split in two: the key with the index's high 32 bits folded in, one value for every
+// index that shares that half (formed once per span), then the hash of it with the index's low 32 bits.
+inline uint32_t random_key_high(uint32_t key, uint32_t index_high) { return key + index_high * 0x9E3779B9u; }
+AF_HD uint32_t random_bits_low(uint32_t key_high, uint32_t index_low) { return mix32(key_high ^ index_low); }
+
+// The compact stores of a value u (fp32 bits) known not to be a NaN: the forms of math.h without their NaN
+// select, the same bits for every other input (inf included). round_stochastic_bits; from_f32<bf16_t>
+// (nearest even); weight_of_code(master_code_bits) (nearest, ties away from zero: |u| + 0x8000 stays below
+// the sign bit, so the carry lands in the magnitude).
+AF_HD uint16_t round_stochastic_finite(uint32_t u, uint32_t r) { return uint16_t((u + (r & 0xFFFFu)) >> 16); }
+AF_HD uint16_t bf16_nearest_finite(uint32_t u) { return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }
+AF_HD uint16_t weight_of_finite(uint32_t u) { return uint16_t((u + 0x8000u) >> 16); }
+
+// Elements per block of compact_span's two passes: their fp32 results (3 KB) stay in L1 between the passes.
+constexpr int32_t kCompactBlock = 256;
+
+// Compact state (math.h): n elements of one parameter from its element lo, with the weight kept as kFmt says
+// (kMaster: an fp32 master buffer exists in the kMasterF32 format) and the moments stored as S (float, or bf16
+// with stochastic rounding); apply(g, w, s1, s2, consts) is the optimizer's element update (a stateless
+// lambda). Element j draws its random bits at index offset + lo + j of the flat state buffers, whose high 32
+// bits are the same for the whole span (compact_range splits where they change): its keys have that half
+// folded in once and each element hashes only the low half, a 32-bit counter. Each block of kCompactBlock
+// elements runs in two passes, each a loop that vectorises on 32-bit lanes: the update (load, apply, fp32
+// results to a buffer in L1; its divisions and square root, long chains, overlap across many elements), then
+// the stores (hash, round, pack to 16 bits). A block with no NaN among its results (the common case, told by
+// one sum per element) stores through the forms above; any other block through math.h's.
 template <typename G, typename P, int kFmt, bool kMaster, typename S, int kStates, typename Consts, typename Apply>
-void compact_range(const StepBufs& b, const StepTensor& t, const Consts& consts, int64_t lo, int64_t hi,
-                   Apply apply) {
+AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& consts, int64_t lo, int32_t n,
+                        uint32_t index_high, Apply apply) {
   const Consts k = consts;  // a local copy: stores to the buffers cannot alias it
   constexpr bool kBf16State = std::is_same<S, bf16_t>::value;
   constexpr bool kBf16Param = kFmt != kMasterF32;  // remainders and stochastic rounding: bf16 weights
-  const G* __restrict g = static_cast<const G*>(t.grad);
-  P* __restrict p = static_cast<P*>(t.param);
-  uint16_t* __restrict pw = static_cast<uint16_t*>(t.param);
-  float* __restrict master = b.master + t.offset;
-  uint16_t* __restrict rem = reinterpret_cast<uint16_t*>(b.master) + t.offset;
-  float* __restrict f1 = b.state1 + t.offset;
-  float* __restrict f2 = b.state2 + t.offset;
-  uint16_t* __restrict h1 = reinterpret_cast<uint16_t*>(b.state1) + t.offset;
-  uint16_t* __restrict h2 = reinterpret_cast<uint16_t*>(b.state2) + t.offset;
-  const uint32_t kw = t.keys[0], k1 = t.keys[1], k2 = t.keys[2];
-  const int64_t base = t.offset;
+  constexpr bool kNearestBf16 = kFmt == kMasterF32 && std::is_same<P, bf16_t>::value;
+  const int64_t at = t.offset + lo;
+  const G* __restrict g = static_cast<const G*>(t.grad) + lo;
+  P* __restrict p = static_cast<P*>(t.param) + lo;
+  uint16_t* __restrict pw = static_cast<uint16_t*>(t.param) + lo;
+  float* __restrict master = b.master + at;
+  uint16_t* __restrict rem = reinterpret_cast<uint16_t*>(b.master) + at;
+  float* __restrict f1 = b.state1 + at;
+  float* __restrict f2 = b.state2 + at;
+  uint16_t* __restrict h1 = reinterpret_cast<uint16_t*>(b.state1) + at;
+  uint16_t* __restrict h2 = reinterpret_cast<uint16_t*>(b.state2) + at;
+  const uint32_t kw = random_key_high(t.keys[0], index_high), k1 = random_key_high(t.keys[1], index_high),
+                 k2 = random_key_high(t.keys[2], index_high);
+  const uint32_t index_low = uint32_t(uint64_t(at));
+  alignas(64) float wb[kCompactBlock], ab[kCompactBlock], cb[kCompactBlock];
+  for (int32_t j0 = 0; j0 < n; j0 += kCompactBlock) {
+    const int32_t m = std::min(kCompactBlock, n - j0);
+    uint32_t nan = 0;
+#pragma omp simd reduction(| : nan)
+    for (int32_t j = 0; j < m; ++j) {
+      const int32_t e = j0 + j;
+      float w;
+      if constexpr (kFmt == kMasterRemainder) w = join_master_bits(pw[e], rem[e]);
+      else if constexpr (kBf16Param) w = f32_from_bits(uint32_t(pw[e]) << 16);
+      else if constexpr (kMaster) w = master[e];
+      else w = to_f32(p[e]);
+      float a = 0.0f, c = 0.0f;
+      if constexpr (kStates >= 1) a = kBf16State ? f32_from_bits(uint32_t(h1[e]) << 16) : f1[e];
+      if constexpr (kStates >= 2) c = kBf16State ? f32_from_bits(uint32_t(h2[e]) << 16) : f2[e];
+      apply(to_f32(g[e]), w, a, c, k);
+      if constexpr (kStates >= 1 && !kBf16State) f1[e] = a;
+      if constexpr (kStates >= 2 && !kBf16State) f2[e] = c;
+      if constexpr (kMaster) master[e] = w;
+      wb[j] = w;
+      ab[j] = a;
+      cb[j] = c;
+      const float sum = w + a + c;  // NaN when one of them is (or from inf - inf: then the careful stores)
+      nan |= sum != sum ? 1u : 0u;
+    }
+    const auto stores = [&](auto careful) {
+      constexpr bool kCareful = decltype(careful)::value;
 #pragma omp simd
-  for (int64_t i = lo; i < hi; ++i) {
-    float w;
-    if constexpr (kFmt == kMasterRemainder) w = join_master_bits(pw[i], rem[i]);
-    else if constexpr (kBf16Param) w = f32_from_bits(uint32_t(pw[i]) << 16);
-    else if constexpr (kMaster) w = master[i];
-    else w = to_f32(p[i]);
-    float a = 0.0f, c = 0.0f;
-    if constexpr (kStates >= 1) a = kBf16State ? f32_from_bits(uint32_t(h1[i]) << 16) : f1[i];
-    if constexpr (kStates >= 2) c = kBf16State ? f32_from_bits(uint32_t(h2[i]) << 16) : f2[i];
-    apply(to_f32(g[i]), w, a, c, k);
-    const int64_t index = base + i;
-    if constexpr (kStates >= 1) {
-      if constexpr (kBf16State) h1[i] = round_stochastic_bits(a, random_bits(k1, index));
-      else f1[i] = a;
-    }
-    if constexpr (kStates >= 2) {
-      if constexpr (kBf16State) h2[i] = round_stochastic_bits(c, random_bits(k2, index));
-      else f2[i] = c;
-    }
-    if constexpr (kFmt == kMasterRemainder) {
-      const uint32_t code = master_code_bits(w);
-      rem[i] = remainder_of_code(code);
-      pw[i] = weight_of_code(code);
-    } else if constexpr (kFmt == kMasterNone) {
-      pw[i] = round_stochastic_bits(w, random_bits(kw, index));
-    } else {
-      if constexpr (kMaster) master[i] = w;
-      p[i] = from_f32<P>(w);
-    }
+      for (int32_t j = 0; j < m; ++j) {
+        const int32_t e = j0 + j;
+        const uint32_t index = index_low + uint32_t(e);
+        if constexpr (kStates >= 1 && kBf16State) {
+          const uint32_t r = random_bits_low(k1, index);
+          h1[e] = kCareful ? round_stochastic_bits(ab[j], r) : round_stochastic_finite(f32_bits(ab[j]), r);
+        }
+        if constexpr (kStates >= 2 && kBf16State) {
+          const uint32_t r = random_bits_low(k2, index);
+          h2[e] = kCareful ? round_stochastic_bits(cb[j], r) : round_stochastic_finite(f32_bits(cb[j]), r);
+        }
+        const uint32_t u = f32_bits(wb[j]);
+        if constexpr (kFmt == kMasterRemainder) {
+          const uint32_t code = kCareful ? master_code_bits(wb[j]) : u;
+          rem[e] = remainder_of_code(code);
+          pw[e] = kCareful ? weight_of_code(code) : weight_of_finite(u);
+        } else if constexpr (kFmt == kMasterNone) {
+          const uint32_t r = random_bits_low(kw, index);
+          pw[e] = kCareful ? round_stochastic_bits(wb[j], r) : round_stochastic_finite(u, r);
+        } else if constexpr (kNearestBf16) {
+          pw[e] = kCareful ? from_f32<bf16_t>(wb[j]).bits : bf16_nearest_finite(u);
+        } else {
+          p[e] = from_f32<P>(wb[j]);
+        }
+      }
+    };
+    if (nan) stores(std::true_type{});
+    else stores(std::false_type{});
+  }
+}
+
+// Elements [lo, hi) of one parameter (at most kStepBlock of them), in spans whose flat indices (offset + i)
+// share their high 32 bits.
+template <typename G, typename P, int kFmt, bool kMaster, typename S, int kStates, typename Consts, typename Apply>
+void compact_range(const StepBufs& b, const StepTensor& t, const Consts& consts, int64_t lo, int64_t hi,
+                   Apply apply) {
+  static_assert(kStepBlock <= (int64_t(1) << 30), "a span's length is an int32");
+  while (lo < hi) {
+    const uint64_t first = uint64_t(t.offset + lo);
+    const int64_t end = std::min<int64_t>(hi, int64_t(((first >> 32) + 1) << 32) - t.offset);
+    compact_span<G, P, kFmt, kMaster, S, kStates>(b, t, consts, lo, int32_t(end - lo), uint32_t(first >> 32),
+                                                  apply);
+    lo = end;
   }
 }
 
