@@ -27,6 +27,12 @@ cooperative kernel runs K1 over the step's gradients into ``partials`` (then an 
 ``[2, num_partials([n of each gradient])]``), a grid barrier, then K2: the same bits as ``norm_check`` over the
 gradients followed by the two-kernel step. The math is ``csrc/include/ampfused/math.h``; the specification is
 :mod:`ampfused.ops.reference`.
+
+Compact state (:mod:`ampfused.ops.state_precision`) goes through the same launch, its format read from the
+buffers' dtypes. With 8-bit moments (uint8 ``exp_avg``/``exp_avg_sq``/``momentum_buf`` and ``state_scales=``) the
+parameters start at multiples of ``QBLOCK`` in the flat buffers, so each 256 consecutive elements of a chunk
+(``STEP_CHUNK`` is a multiple of 256) are one block of codes: the kernel's block updates them in registers,
+reduces the largest new value of each moment over them, and stores the codes and the block's new scale.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ from torch import Tensor
 from .. import _native
 from . import _work, checks
 from .cpu import CpuBackend
+from .state_precision import QBLOCK as _QBLOCK
 
 _N = _native
 _SLOTS = 4096
@@ -210,7 +217,7 @@ class CudaBackend(CpuBackend):
 
     def _prepare_step(self, params, grads, master: Optional[Tensor], states, steps: Tensor, partials: Tensor,
                       inv_scale: Tensor, lr: Tensor, out_stats: Tensor, single_launch: bool,
-                      seed: Optional[Tensor] = None):
+                      seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None):
         """Checks what the kernel relies on; returns the module's arguments before the state addresses, between
         them and the hyperparameters, and after those, and the partials as the kernel reads them (a tensor that
         must live until the launch is enqueued)."""
@@ -226,10 +233,15 @@ class CudaBackend(CpuBackend):
             raise ValueError(f"params, grads and steps must have one entry per parameter, got {len(params)} params, "
                              f"{len(grads)} grads and steps of shape {tuple(steps.shape)}")
         compact = _N.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
-                                seed)
+                                seed, state_scales)
         dev = steps.device
-        rows, total = _N.step_table(params, grads)
+        # (8-bit moments: parameters start at multiples of a block of codes, each block with a column of scales)
+        rows, total = _N.step_table(params, grads, _N.layout_align(next((s for _, s in states if s is not None), None)))
         _N.check_state_sizes(self.name, [("master", master)] + list(states), total, dev)
+        if state_scales is not None and state_scales.shape[-1] != -(-total // _QBLOCK):
+            raise ValueError(f"state_scales must have {-(-total // _QBLOCK)} columns (one per block of {_QBLOCK} "
+                             f"elements of the flat buffers) for the {self.name} backend, got shape "
+                             f"{list(state_scales.shape)}")
         _N.check_device("partials", partials, dev)
         if partials.dtype != torch.float32 or partials.dim() != 2 or partials.shape[0] != 2:
             raise ValueError(f"partials must be a float32 [2, P] tensor, got {partials.dtype} {tuple(partials.shape)}")
@@ -241,7 +253,8 @@ class CudaBackend(CpuBackend):
         gcode = _N.grad_code(grads)
 
         def check():
-            checks.step_inputs(params, grads, master, states, steps, partials, inv_scale, lr, out_stats, seed)
+            checks.step_inputs(params, grads, master, states, steps, partials, inv_scale, lr, out_stats, seed,
+                               state_scales)
 
         work = self._work(rows, (pcode, gcode), steps, check)
         if single_launch and (tuple(partials.shape) != (2, work.num_columns) or not partials.is_contiguous()):
@@ -253,7 +266,7 @@ class CudaBackend(CpuBackend):
         tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], part.data_ptr(), part.shape[1], inv_scale.data_ptr(),
                 lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr()]
         launch = [*self._device_args(dev), work.chunks, work.num_chunks, work.columns, work.num_columns,
-                  _counter(steps), bool(single_launch), *compact]
+                  _counter(steps), bool(single_launch), *compact, *_N.q8_args(state_scales)]
         return head, tail, launch, part
 
     # ---- the fused optimizers' own tables (see cpu.py): the same kernels and cached device work -------
@@ -283,45 +296,47 @@ class CudaBackend(CpuBackend):
         tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], part.data_ptr(), part.shape[1], inv_scale.data_ptr(),
                 lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr()]
         launch = [*self._device_args(steps.device), work.chunks, work.num_chunks, work.columns, work.num_columns,
-                  _counter(steps), False, 0, 0, 0]
+                  _counter(steps), False, 0, 0, 0, 0, 0]
         return head, tail, launch, part
 
     def adam_step_table(self, table: tuple, dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
-                        out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize, seed=None) -> None:
+                        out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize, seed=None,
+                        state_scales=None) -> None:
         head, tail, launch, _part = self._table_step(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
-        launch[-3:] = _N.compact_args(dtype, master, exp_avg, seed)
+        launch[-5:] = _N.compact_args(dtype, master, exp_avg, seed) + _N.q8_args(state_scales)
         self._mod().adam_step(*head, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), *tail, beta1, beta2, eps, weight_decay,
                               max_norm, decoupled, maximize, *launch)
 
     def sgd_step_table(self, table: tuple, dtype, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
-                       momentum, dampening, weight_decay, nesterov, max_norm, maximize, seed=None) -> None:
+                       momentum, dampening, weight_decay, nesterov, max_norm, maximize, seed=None,
+                       state_scales=None) -> None:
         head, tail, launch, _part = self._table_step(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
         buf = momentum_buf if momentum != 0 else None
-        launch[-3:] = _N.compact_args(dtype, master, buf, seed)
+        launch[-5:] = _N.compact_args(dtype, master, buf, seed) + _N.q8_args(state_scales)
         self._mod().sgd_step(*head, _N.ptr(buf), *tail, momentum, dampening, weight_decay, nesterov, max_norm,
                              maximize, *launch)
 
     def adam_step_(self, params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
                    beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize=False, seed=None, *,
-                   single_launch: bool = False) -> None:
+                   state_scales: Optional[Tensor] = None, single_launch: bool = False) -> None:
         """Adam/AdamW step; ``single_launch=True`` fuses K1 over the gradients (writing ``partials``) into it."""
         states = [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
         head, tail, launch, _part = self._prepare_step(params, grads, master, states, steps, partials, inv_scale,
-                                                       lr, out_stats, single_launch, seed)
+                                                       lr, out_stats, single_launch, seed, state_scales)
         self._mod().adam_step(*head, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), *tail, float(beta1), float(beta2),
                               float(eps), float(weight_decay), float(max_norm), bool(decoupled), bool(maximize),
                               *launch)
 
     def sgd_step_(self, params, grads, master, momentum_buf, steps, partials, inv_scale, lr, out_stats, momentum,
                   dampening, weight_decay, nesterov, max_norm, maximize=False, seed=None, *,
-                  single_launch: bool = False) -> None:
+                  state_scales: Optional[Tensor] = None, single_launch: bool = False) -> None:
         """SGD step; ``single_launch=True`` fuses K1 over the gradients (writing ``partials``) into it."""
         if momentum != 0 and momentum_buf is None:
             raise ValueError("momentum_buf is required when momentum != 0")
         buf = momentum_buf if momentum != 0 else None
         states = [("momentum_buf", buf)] if buf is not None else []
         head, tail, launch, _part = self._prepare_step(params, grads, master, states, steps, partials, inv_scale,
-                                                       lr, out_stats, single_launch, seed)
+                                                       lr, out_stats, single_launch, seed, state_scales)
         self._mod().sgd_step(*head, _N.ptr(buf), *tail, float(momentum), float(dampening), float(weight_decay),
                              bool(nesterov), float(max_norm), bool(maximize), *launch)
 

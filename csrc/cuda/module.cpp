@@ -82,14 +82,30 @@ cuda::WorkList work_list(const StepArgs& a, uintptr_t chunks, int64_t num_chunks
   return w;
 }
 
+// The moments' storage code, and what 8-bit moments need besides their codes: the draws' seed and block scales.
+void check_state_format(const StepArgs& a, int64_t num_chunks) {
+  if (a.state_dtype != kF32 && a.state_dtype != kBF16 && a.state_dtype != kStateU8) {
+    throw std::invalid_argument("state_dtype must be 0 (fp32), 1 (bf16) or " + std::to_string(kStateU8) +
+                                " (8-bit codes), got " + std::to_string(a.state_dtype));
+  }
+  if (a.state_dtype == kStateU8 && num_chunks > 0 && (a.state1 == nullptr || a.seed == nullptr ||
+                                                      a.state_scales == nullptr || a.scale_blocks <= 0)) {
+    throw std::invalid_argument("8-bit moments need their codes, a seed and their block scales (state_scales of "
+                                "[moments, blocks], blocks > 0)");
+  }
+}
+
 void adam_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master, uintptr_t exp_avg,
                uintptr_t exp_avg_sq, uintptr_t steps, int step_code, uintptr_t partials, int64_t P,
                uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double beta1, double beta2,
                double eps, double weight_decay, double max_norm, bool decoupled, bool maximize, int device,
                uintptr_t stream, uintptr_t chunks, int64_t num_chunks, uintptr_t columns, int64_t num_columns,
-               uintptr_t counter, bool single_launch, int master_format, int state_dtype, uintptr_t seed) {
+               uintptr_t counter, bool single_launch, int master_format, int state_dtype, uintptr_t seed,
+               uintptr_t state_scales, int64_t scale_blocks) {
   const StepArgs a = step_args(table, count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq, steps, step_code,
-                               partials, P, inv_scale, lr, lr_code, out_stats, master_format, state_dtype, seed);
+                               partials, P, inv_scale, lr, lr_code, out_stats, master_format, state_dtype, seed,
+                               state_scales, scale_blocks);
+  check_state_format(a, num_chunks);
   const cuda::WorkList w = work_list(a, chunks, num_chunks, columns, num_columns, single_launch);
   const AdamHyper h{beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize};
   check(cuda::adam_step(device, stream, a, w, h, addr<int32_t>(counter), single_launch));
@@ -100,10 +116,12 @@ void sgd_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, u
               uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double momentum, double dampening,
               double weight_decay, bool nesterov, double max_norm, bool maximize, int device, uintptr_t stream,
               uintptr_t chunks, int64_t num_chunks, uintptr_t columns, int64_t num_columns, uintptr_t counter,
-              bool single_launch, int master_format, int state_dtype, uintptr_t seed) {
+              bool single_launch, int master_format, int state_dtype, uintptr_t seed, uintptr_t state_scales,
+              int64_t scale_blocks) {
   const StepArgs a = step_args(table, count, param_dtype, grad_dtype, master, momentum != 0.0 ? momentum_buf : 0, 0,
                                steps, step_code, partials, P, inv_scale, lr, lr_code, out_stats, master_format,
-                               state_dtype, seed);
+                               state_dtype, seed, state_scales, scale_blocks);
+  check_state_format(a, num_chunks);
   const cuda::WorkList w = work_list(a, chunks, num_chunks, columns, num_columns, single_launch);
   const SgdHyper h{momentum, dampening, weight_decay, max_norm, nesterov, maximize};
   check(cuda::sgd_step(device, stream, a, w, h, addr<int32_t>(counter), single_launch));
@@ -146,7 +164,23 @@ PYBIND11_MODULE(_C_cuda, m) {
   m.def("num_partials", &num_partials, py::arg("numels"));
   m.def("norm_check", &norm_check);
   m.def("norm_check_work", &norm_check_work);
-  m.def("adam_step", &adam_step);
-  m.def("sgd_step", &sgd_step);
+  // the compact state's arguments (master format, state dtype code, seed address; the 8-bit moments' block scales
+  // address and their blocks per row) come last and default to the fp32 state
+  m.def("adam_step", &adam_step, py::arg("table"), py::arg("count"), py::arg("param_dtype"), py::arg("grad_dtype"),
+        py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("steps"), py::arg("step_code"),
+        py::arg("partials"), py::arg("num_partials"), py::arg("inv_scale"), py::arg("lr"), py::arg("lr_code"),
+        py::arg("out_stats"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("max_norm"), py::arg("decoupled"), py::arg("maximize"), py::arg("device"), py::arg("stream"),
+        py::arg("chunks"), py::arg("num_chunks"), py::arg("columns"), py::arg("num_columns"), py::arg("counter"),
+        py::arg("single_launch"), py::arg("master_format") = 0, py::arg("state_dtype") = 0,
+        py::arg("seed") = uintptr_t(0), py::arg("state_scales") = uintptr_t(0), py::arg("scale_blocks") = int64_t(0));
+  m.def("sgd_step", &sgd_step, py::arg("table"), py::arg("count"), py::arg("param_dtype"), py::arg("grad_dtype"),
+        py::arg("master"), py::arg("momentum_buf"), py::arg("steps"), py::arg("step_code"), py::arg("partials"),
+        py::arg("num_partials"), py::arg("inv_scale"), py::arg("lr"), py::arg("lr_code"), py::arg("out_stats"),
+        py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"), py::arg("max_norm"),
+        py::arg("maximize"), py::arg("device"), py::arg("stream"), py::arg("chunks"), py::arg("num_chunks"),
+        py::arg("columns"), py::arg("num_columns"), py::arg("counter"), py::arg("single_launch"),
+        py::arg("master_format") = 0, py::arg("state_dtype") = 0, py::arg("seed") = uintptr_t(0),
+        py::arg("state_scales") = uintptr_t(0), py::arg("scale_blocks") = int64_t(0));
   m.def("update_scale", &update_scale_op);
 }
