@@ -25,36 +25,10 @@ INF_BITS = tl.constexpr(0x7F800000)
 
 
 @triton.jit
-def _q8_top(SIGNED: tl.constexpr):
-    """Exponent field of a block's largest value: 14 for signed codes, 30 for unsigned ones."""
-    if SIGNED:
-        return 14
-    else:
-        return 30
-
-
-@triton.jit
-def _q8_abs_bits(x):
-    """``state_precision.q8_abs_bits``: |x|'s fp32 bits (int32, never negative), a NaN counted as inf."""
-    return tl.minimum(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, INF_BITS)
-
-
-@triton.jit
-def _q8_clamp(e):
-    return tl.minimum(tl.maximum(e, Q8_MIN_EXP), Q8_MAX_EXP)
-
-
-@triton.jit
 def _q8_exponent(scale):
     """``state_precision.q8_exponent``: the block exponents (int32) of fp32 scales (only the exponent field is
     read; a zero scale reads as Q8_MIN_EXP)."""
-    return _q8_clamp((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF)
-
-
-@triton.jit
-def _q8_scale(e):
-    """``state_precision.q8_scale``: the fp32 scale ``2**(E - 127)`` of block exponents E (int32 in range)."""
-    return (e << 23).to(tl.float32, bitcast=True)
+    return tl.minimum(tl.maximum((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF, Q8_MIN_EXP), Q8_MAX_EXP)
 
 
 @triton.jit
@@ -62,10 +36,11 @@ def _q8_encode(x, e_block, r, SIGNED: tl.constexpr):
     """``state_precision.q8_encode`` with stochastic rounding: fp32 values, their blocks' exponents (int32,
     broadcast per element) and 32-bit draws (uint32) -> uint8 codes."""
     u = x.to(tl.uint32, bitcast=True)
-    a = _q8_abs_bits(x)
+    a = tl.minimum(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, INF_BITS)  # q8_abs_bits
     ex = a >> 23
     sig = ((a & 0x7FFFFF) | tl.where(ex > 0, 0x800000, 0)).to(tl.uint32)
-    e = tl.maximum(ex, 1) - e_block + _q8_top(SIGNED)  # the code's exponent field (may be <= 0)
+    top: tl.constexpr = 14 if SIGNED else 30  # exponent field of a block's largest value
+    e = tl.maximum(ex, 1) - e_block + top    # the code's exponent field (may be <= 0)
     shift = 20 + tl.maximum(1 - e, 0)                   # significand bits the code drops
     s = tl.minimum(shift, 31).to(tl.uint32)
     low = (tl.full((), 1, tl.uint32) << s) - 1
@@ -89,7 +64,7 @@ def _q8_decode(code, e_block, SIGNED: tl.constexpr):
         mag = c
     e = mag >> 3
     f = mag & 7
-    top = _q8_top(SIGNED)
+    top: tl.constexpr = 14 if SIGNED else 30
     normal = (((e_block - top + e) << 23) | (f << 20)).to(tl.float32, bitcast=True)
     unit = ((e_block - top - 2) << 23).to(tl.float32, bitcast=True)  # 2**(E - top - 129)
     value = tl.where(e > 0, normal, f.to(tl.float32) * unit)
@@ -105,23 +80,16 @@ def _per_lane(e_rows, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _block_live(base, n, BLOCK: tl.constexpr):
-    """Which of the kernel block's quantization blocks (it starts at ``base`` of a chunk of ``n`` elements)
-    hold elements of the parameter."""
-    return base + tl.arange(0, BLOCK // QBLOCK) * QBLOCK < n
-
-
-@triton.jit
 def _load_q8(ptr, scale_ptr, idx, n, base, SIGNED: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
     """A moment's fp32 values at the chunk's lanes ``idx = base + arange(BLOCK)``: its codes decoded with their
     blocks' scales (``scale_ptr``: the chunk's first block in its row of ``state_scales``)."""
-    rows = base // QBLOCK + tl.arange(0, BLOCK // QBLOCK)
-    if MASKED:
+    k = tl.arange(0, BLOCK // QBLOCK)
+    if MASKED:  # (a quantization block past the parameter's end is not read)
         code = tl.load(ptr + idx, mask=idx < n, other=0)
-        scale = tl.load(scale_ptr + rows, mask=_block_live(base, n, BLOCK), other=0.0)
+        scale = tl.load(scale_ptr + base // QBLOCK + k, mask=base + k * QBLOCK < n, other=0.0)
     else:
         code = tl.load(ptr + idx)
-        scale = tl.load(scale_ptr + rows)
+        scale = tl.load(scale_ptr + base // QBLOCK + k)
     return _q8_decode(code, _per_lane(_q8_exponent(scale), BLOCK), SIGNED)
 
 
@@ -131,16 +99,19 @@ def _store_q8(ptr, scale_ptr, idx, n, base, value, key, index, SIGNED: tl.conste
     """Stores a moment's new fp32 values as codes: each block's exponent from the largest ``q8_abs_bits`` of
     its new values (of the parameter's elements only), every element encoded with it and its draw
     ``random_bits(key, index)``, and the blocks' scales."""
-    a = _q8_abs_bits(value)
+    a = tl.minimum(value.to(tl.int32, bitcast=True) & 0x7FFFFFFF, INF_BITS)  # q8_abs_bits
     if MASKED:
         a = tl.where(idx < n, a, 0)
-    e_rows = _q8_clamp(tl.max(tl.reshape(a, [BLOCK // QBLOCK, QBLOCK]), axis=1) >> 23)
+    # q8_block_exponent of each block's largest value, and its scale q8_scale
+    e_rows = tl.minimum(tl.maximum(tl.max(tl.reshape(a, [BLOCK // QBLOCK, QBLOCK]), axis=1) >> 23, Q8_MIN_EXP),
+                        Q8_MAX_EXP)
+    scale = (e_rows << 23).to(tl.float32, bitcast=True)
     code = _q8_encode(value, _per_lane(e_rows, BLOCK), _random_bits(key, index), SIGNED)
-    rows = base // QBLOCK + tl.arange(0, BLOCK // QBLOCK)
-    if MASKED:
+    k = tl.arange(0, BLOCK // QBLOCK)
+    if MASKED:  # (a quantization block past the parameter's end is not written)
         tl.store(ptr + idx, code, mask=idx < n)
-        tl.store(scale_ptr + rows, _q8_scale(e_rows), mask=_block_live(base, n, BLOCK))
+        tl.store(scale_ptr + base // QBLOCK + k, scale, mask=base + k * QBLOCK < n)
     else:
         tl.store(ptr + idx, code)
-        tl.store(scale_ptr + rows, _q8_scale(e_rows))
+        tl.store(scale_ptr + base // QBLOCK + k, scale)
 
