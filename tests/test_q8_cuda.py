@@ -15,12 +15,15 @@ the same fp32 value, and the kernel's element math is math.h's, the reference's 
   (> 16384 elements: one block of threads per chunk), a transposed parameter, a parameter without a gradient
   (untouched, its blocks too), per-parameter step counts (SGD's first step), a skipped step (nothing changes),
   and the single launch (K1 fused in) against the two kernels.
+* The fused optimizers with 8-bit moments (their table entries, the segments' own layout and scales): FusedSGD
+  bit for bit the reference backend's, FusedAdamW the cpu backend's.
 """
 import math
 
 import pytest
 import torch
 
+import ampfused
 from ampfused import _native, ops
 from ampfused.ops import reference as R, state_precision as sp
 from ampfused.ops.reference import memory_view, state_layout
@@ -304,6 +307,51 @@ def _with_scales(p: Problem, scales):
     other.__dict__.update(p.__dict__)
     other.scales = scales
     return other
+
+
+@gpu
+@pytest.mark.parametrize("weights", ["fp32-master", "remainders", "no-master"])
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_fused_optimizers_with_q8_moments_match(kind, weights):
+    # no clipping and no scaler: the coefficient is exactly 1 on every backend; the other run on CPU copies
+    other = "reference" if kind == "sgd" else "cpu"
+    if ops.registry.reasons_for(other, torch.device("cpu")):
+        pytest.skip(f"the {other} backend is not available")
+    shapes = [(7,), (300,), (256,), (257,), (16384 + 5,)]
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=g).to(BF16) for s in shapes]
+    extra = {"fp32-master": {}, "remainders": dict(store_param_remainders=True),
+             "no-master": dict(bf16_stochastic_round=True)}[weights]
+    runs = []
+    for backend, dev in ((BACKEND, DEV), (other, "cpu")):
+        ps = [torch.nn.Parameter(p.clone().to(dev)) for p in start]
+        if kind == "sgd":
+            opt = ampfused.FusedSGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.01, backend=backend, seed=7,
+                                    momentum_dtype=torch.uint8, **extra)
+        else:
+            opt = ampfused.FusedAdamW(ps, lr=1e-2, weight_decay=0.1, backend=backend, seed=7,
+                                      exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8, **extra)
+        runs.append((ps, opt))
+    for k in range(3):
+        gen = torch.Generator().manual_seed(100 + k)
+        grads = [torch.randn(s, generator=gen).to(BF16) for s in shapes]
+        for ps, opt in runs:
+            for p, grad in zip(ps, grads):
+                p.grad = grad.to(p.device)
+            opt.step()
+
+    def everything(ps, opt):
+        out = [(f"params[{i}]", p.detach()) for i, p in enumerate(ps)]
+        for j, seg in enumerate(opt._segments):
+            out += [(f"segment {j} steps", seg.steps), (f"segment {j} scales", seg.scales)]
+            out += [(f"segment {j} {name}", t) for name, t in seg.states.items()]
+            out += [(f"segment {j} master", seg.master)] if seg.master is not None else []
+        return [(n, t.cpu()) for n, t in out]
+
+    fast, ref = everything(*runs[0]), everything(*runs[1])
+    assert [n for n, _ in fast] == [n for n, _ in ref]
+    for (name, a), (_, b) in zip(fast, ref):
+        assert_bitwise(f"{name} ({kind}, {weights}, against {other})", a, b)
 
 
 def test_module_refuses_8bit_moments_without_seed_or_scales():
