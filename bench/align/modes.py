@@ -11,6 +11,9 @@ The same model, data order and initial weights as the seven runs of ``python -m 
 | ``ampfused+rem+bf16m`` | both | 6 |
 | ``ampfused+sr`` | ``bf16_stochastic_round=True`` (no master) | 8 |
 | ``ampfused+sr+bf16m`` | no master, bf16 moments | 4 |
+| ``ampfused+q8m`` | fp32 masters, 8-bit moments (``torch.uint8``: block-scaled codes) | 6.03 |
+| ``ampfused+rem+q8m`` | remainders, 8-bit moments | 4.03 |
+| ``ampfused+sr+q8m`` | no master, 8-bit moments | 2.03 |
 
 and, where installed (``pip install '.[peers]'``), the other libraries' low-precision AdamW under torch's
 ``clip_grad_norm_``: ``optimi-adamw`` (bf16 weights and moments, 4 B), ``optimi-adamw-kahan`` (+ a bf16 Kahan
@@ -37,12 +40,16 @@ from . import runs as T
 
 BAR = 0.005  # 0.5%
 _BF16M = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+_Q8M = dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)  # 8-bit moments: 1 B + 4 B per 256 each
 MODES = {  # run -> (FusedAdamW options, state bytes per bf16 parameter)
     "ampfused+rem": (dict(store_param_remainders=True), 10),
     "ampfused+bf16m": (dict(_BF16M), 8),
     "ampfused+rem+bf16m": (dict(store_param_remainders=True, **_BF16M), 6),
     "ampfused+sr": (dict(bf16_stochastic_round=True), 8),
     "ampfused+sr+bf16m": (dict(bf16_stochastic_round=True, **_BF16M), 4),
+    "ampfused+q8m": (dict(_Q8M), 6.03),
+    "ampfused+rem+q8m": (dict(store_param_remainders=True, **_Q8M), 4.03),
+    "ampfused+sr+q8m": (dict(bf16_stochastic_round=True, **_Q8M), 2.03),
 }
 PEERS = {  # run -> (module, class, options, state bytes per bf16 parameter)
     "optimi-adamw": ("optimi", "AdamW", dict(kahan_sum=False), 4),
@@ -122,7 +129,7 @@ def register(peers: bool = True, device_type: str = "cpu") -> Dict[str, str]:
     return absent
 
 
-def state_bytes(name: str) -> int:
+def state_bytes(name: str) -> float:
     return MODES[name][1] if name in MODES else PEERS[name][3] if name in PEERS else 12
 
 

@@ -11,6 +11,9 @@ suffix              options                                                     
 ``+rem+bf16m``      both                                                        6                   18
 ``+sr``             ``bf16_stochastic_round=True`` (no master)                  8                   22
 ``+sr+bf16m``       ``bf16_stochastic_round=True`` + bf16 moments               4                   14
+``+q8m``            ``exp_avg_dtype=exp_avg_sq_dtype=torch.uint8`` (8-bit)      6.03                16.06
+``+rem+q8m``        remainders + 8-bit moments                                  4.03                14.06
+``+sr+q8m``         ``bf16_stochastic_round=True`` + 8-bit moments              2.03                10.06
 ==================  ==========================================================  ==================  ========
 
 The state bytes in the results are measured (the storages of the optimizer's state tensors), not taken
@@ -37,6 +40,16 @@ How each mode is checked before it is timed, on the same check steps as every va
   1.5 * n * 2^-7`` with ``R`` Adam's bound on ``|m_hat / sqrt(v_hat)|`` (Kingma & Ba, section 2.1:
   ``(1 - beta1) / sqrt(1 - beta2)`` when that exceeds 1); the allowance takes twice that over ``n`` updates.
 
+* 8-bit moments (``+q8m``, ``+rem+q8m``, ``+sr+q8m``): the same argument with a code's step in place of the
+  ulp: a code is within one step of the fp32 value, at most ``2^-3`` of the value's magnitude, or in a block's
+  subnormal range ``2^-16`` (``exp_avg``) / ``2^-32`` (``exp_avg_sq``) of the block's largest value; each
+  update's error is then allowed its whole size (``lr * R``), and up to ``QUANTIZED_OUTLIERS`` of a tensor's
+  weights beyond that (bench/step/peers.py: a tiny second moment next to a large one). Those bounds are loose, so
+  on a backend other than the reference the mode also runs on the reference backend (its *twin*, the
+  specification of the format) and at most ``Q8_TWIN_FRACTION`` of the moments and weights may differ from the
+  twin's beyond one code step (the backends' fp32 constants may differ by an ulp: a value straddling a rounding
+  boundary then takes the neighbouring code).
+
 These bounds are the formats' own error, far below what a wrong rule produces (a missed unscale or clip
 changes moments by the scale or the clip coefficient; a lost update moves a weight by ``lr``-sized steps
 that add up, a skipped step taken changes ``exp_avg`` by ``(1 - beta1) g``, many ulps).
@@ -50,6 +63,8 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
+from ampfused.ops import memory_view
+from ampfused.ops import state_precision as sp
 from ampfused.ops.state_precision import join_master
 
 from ..common.bytes import FP32, mode_bytes_per_param
@@ -60,6 +75,10 @@ from .variants import Runner, Unavailable
 from .workloads import Instance
 
 BF16_REL_ULP = 2.0 ** -7  # a bf16 ulp is at most this fraction of the value it is the ulp of
+Q8_REL_STEP = 2.0 ** -3  # an 8-bit code's step is at most this fraction of the value (normal codes)
+Q8_FLOOR = {"exp_avg": 2.0 ** -16, "exp_avg_sq": 2.0 ** -32}  # subnormal step / the block's largest value
+Q8_TWIN_FRACTION = 0.02  # elements that may differ from the reference backend's beyond one code step
+QUANTIZED_OUTLIERS = 1e-4  # as bench/step/peers.py
 
 
 @dataclass(frozen=True)
@@ -70,9 +89,16 @@ class Mode:
     bf16_moments: bool
     twin: Optional[str] = None  # the suffix whose masters must be bitwise equal (remainder modes)
     text: str = ""
+    q8_moments: bool = False  # 8-bit moments (``torch.uint8``)
+
+    @property
+    def moment_bytes(self) -> float:
+        """Stored bytes per moment element (8-bit: the code and its share of the block's fp32 scale)."""
+        return 1 + 4 / sp.QBLOCK if self.q8_moments else 2 if self.bf16_moments else FP32
 
 
 _BF16M = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+_Q8M = dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
 MODES: List[Mode] = [
     Mode("+rem", dict(store_param_remainders=True), "remainder", False, twin="",
          text="store_param_remainders=True"),
@@ -82,6 +108,11 @@ MODES: List[Mode] = [
     Mode("+sr", dict(bf16_stochastic_round=True), "none", False, text="bf16_stochastic_round=True"),
     Mode("+sr+bf16m", dict(bf16_stochastic_round=True, **_BF16M), "none", True,
          text="bf16_stochastic_round=True + bf16 moments"),
+    Mode("+q8m", dict(_Q8M), "fp32", False, text="exp_avg_dtype=exp_avg_sq_dtype=torch.uint8", q8_moments=True),
+    Mode("+rem+q8m", dict(store_param_remainders=True, **_Q8M), "remainder", False,
+         text="store_param_remainders=True + 8-bit moments", q8_moments=True),
+    Mode("+sr+q8m", dict(bf16_stochastic_round=True, **_Q8M), "none", False,
+         text="bf16_stochastic_round=True + 8-bit moments", q8_moments=True),
 ]
 BY_SUFFIX = {m.suffix: m for m in MODES}
 FP32_MODE = Mode("", {}, "fp32", False, text="fp32 master, fp32 moments")
@@ -117,7 +148,18 @@ class ModeRunner(OptimizerRunner):
     def snapshot(self):
         snap = super().snapshot()
         snap.master = self.masters()
+        if self.mode.q8_moments:  # the codes decoded (exactly) with their block scales
+            st = [self.opt.state[p] for p in self.model]
+            snap.exp_avg = [_decoded(p, s, "exp_avg") for p, s in zip(self.model, st)]
+            snap.exp_avg_sq = [_decoded(p, s, "exp_avg_sq") for p, s in zip(self.model, st)]
         return snap
+
+
+def _decoded(p: Tensor, st: dict, name: str) -> Tensor:
+    """Parameter ``p``'s 8-bit moment ``name`` as fp32 values shaped (and strided) like ``p``."""
+    out = torch.empty_like(p, dtype=torch.float32)
+    memory_view(out).copy_(sp.q8_dequantize(memory_view(st[name]), st[f"{name}_scale"], sp.q8_signed(name)))
+    return out
 
 
 class ModeVariant(AmpfusedVariant):
@@ -135,8 +177,7 @@ class ModeVariant(AmpfusedVariant):
         return ModeRunner(self.name, self.backend, inst, params, self.mode)
 
     def bytes_per_param(self, inst: Instance) -> float:
-        return mode_bytes_per_param(inst.grad_dtype, inst.param_dtype, self.mode.master,
-                                    2 if self.mode.bf16_moments else FP32)
+        return mode_bytes_per_param(inst.grad_dtype, inst.param_dtype, self.mode.master, self.mode.moment_bytes)
 
     def check_runner(self, runner: Runner, inst: Instance, plan: Plan, exp: Expected) -> None:
         check_mode(runner, inst, plan, exp, self.mode)
@@ -191,7 +232,7 @@ def _within(name: str, got: List[Tensor], exp: List[Tensor], plan: Plan, shapes,
 def compare_mode(snap, norms, exp: Expected, inst: Instance, plan: Plan, mode: Mode,
                  param0: List[Tensor]) -> List[str]:
     """Every way a non-remainder mode's state differs from the reference beyond its format's error."""
-    if mode.master == "fp32" and not mode.bf16_moments:
+    if mode.master == "fp32" and not mode.bf16_moments and not mode.q8_moments:
         return compare(snap, norms, exp, inst, plan)
     shapes = inst.workload.shapes
     e, problems = norm_error(inst, norms, exp)
@@ -200,20 +241,37 @@ def compare_mode(snap, norms, exp: Expected, inst: Instance, plan: Plan, mode: M
     w_atol = 2 * e * inst.lr * n
     if mode.bf16_moments:  # the updates' error from the moments' rounding (module docstring)
         w_atol += 2 * inst.lr * adam_ratio_bound(inst.betas) * 1.5 * n * n * BF16_REL_ULP
+    outliers = 0.0
+    if mode.q8_moments:  # each update allowed its whole size, a few weights beyond (module docstring)
+        w_atol += 2 * inst.lr * adam_ratio_bound(inst.betas) * n
+        outliers = QUANTIZED_OUTLIERS
+    wmag = [_weight_bound(param0, exp, plan, inst, i) for i in range(len(shapes))]
     if mode.master == "none":
         if snap.master is not None:
             problems.append("keeps masters in a mode without any")
-        wmag = [_weight_bound(param0, exp, plan, inst, i) for i in range(len(shapes))]
-        problems += _within("param", snap.param, exp.master, plan, shapes, n, wmag, w_atol)
+        problems += _within("param", snap.param, exp.master, plan, shapes, n, wmag, w_atol, outliers)
     else:
         if snap.master is None:
             return problems + ["reports no masters"]
-        problems += _compare_lists("master", snap.master, exp.master, plan, shapes, RTOL, w_atol)
+        if mode.q8_moments:
+            rel = RTOL * max(float(e.double().abs().max()) for e in exp.master)
+            problems += _within("master", snap.master, exp.master, plan, shapes, 0, wmag, w_atol + rel, outliers)
+        else:
+            problems += _compare_lists("master", snap.master, exp.master, plan, shapes, RTOL, w_atol)
         for i, (p, w) in enumerate(zip(snap.param, snap.master)):
-            if not torch.equal(p.detach().reshape(-1), w.detach().reshape(-1).to(p.dtype)):
-                problems.append(f"param[{i}]: not the round-to-nearest-even of the fp32 masters")
+            differ = p.detach().reshape(-1) != w.detach().reshape(-1).to(p.dtype)
+            if mode.master == "remainder":  # ties away from zero (docs/state-precision.md)
+                differ &= ~_ties(w.detach().reshape(-1))
+            if bool(differ.any()):
+                problems.append(f"param[{i}]: not the round to nearest of the fp32 masters")
                 break
-    if mode.bf16_moments:
+    if mode.q8_moments:
+        gmax = [_grad_bound(plan, inst, i) for i in range(len(shapes))]
+        atol = (RTOL + 3 * e)
+        problems += _within_q8("exp_avg", snap.exp_avg, exp.exp_avg, plan, shapes, n, gmax, atol)
+        problems += _within_q8("exp_avg_sq", snap.exp_avg_sq, exp.exp_avg_sq, plan, shapes, n, [g * g for g in gmax],
+                               atol)
+    elif mode.bf16_moments:
         gmax = [_grad_bound(plan, inst, i) for i in range(len(shapes))]
         problems += _within("exp_avg", snap.exp_avg, exp.exp_avg, plan, shapes, n, gmax, 0.0)
         problems += _within("exp_avg_sq", snap.exp_avg_sq, exp.exp_avg_sq, plan, shapes, n, [g * g for g in gmax],
@@ -223,6 +281,54 @@ def compare_mode(snap, norms, exp: Expected, inst: Instance, plan: Plan, mode: M
         problems += _compare_lists("exp_avg_sq", snap.exp_avg_sq, exp.exp_avg_sq, plan, shapes, RTOL + 3 * e)
     if exp.scale is not None and snap.scale != exp.scale:
         problems.append(f"loss scale is {snap.scale}, expected {exp.scale}")
+    return problems
+
+
+def _q8_step(name: str, mag: Tensor) -> Tensor:
+    """Per element: the largest step of an 8-bit code of a value no larger than ``mag`` in a block whose values
+    are no larger than ``mag``'s largest (fp64)."""
+    return torch.maximum(mag * Q8_REL_STEP, mag.max() * Q8_FLOOR[name]) + 1e-30
+
+
+def _within_q8(name: str, got: List[Tensor], exp: List[Tensor], plan: Plan, shapes, n: int, mags: List[Tensor],
+               rtol: float) -> List[str]:
+    """Decoded 8-bit moments against the reference: ``n`` roundings of at most one code step each (steps of the
+    largest magnitude the moment can have had), plus ``rtol`` of the largest expected value (the norm's error)."""
+    problems = []
+    for i, (g, e, m) in enumerate(zip(got, exp, mags)):
+        g64, e64 = _pick(g, plan.sample[i]).double(), e.double()
+        bound = n * _q8_step(name, m) + rtol * e64.abs().max()
+        bad = ~((g64 - e64).abs() <= bound)
+        if bad.any():
+            j = int(bad.nonzero()[0])
+            problems.append(f"{name}[{i}] (shape {tuple(shapes[i])}): {int(bad.sum())} of {bad.numel()} elements "
+                            f"further than {n} code steps; first [{j}] got {g64[j].item():.9g} expected "
+                            f"{e64[j].item():.9g}")
+    return problems
+
+
+def compare_q8_twin(snap, twin, w_atol: float) -> List[str]:
+    """An 8-bit mode against the same mode on the reference backend after the same steps: moments within one code
+    step, weights (masters) within one ulp of their dtype plus ``w_atol`` (what a code one step away changes in
+    the updates), at all but ``Q8_TWIN_FRACTION`` of the elements."""
+    problems = []
+    for name in ("exp_avg", "exp_avg_sq", "param", "master"):
+        mine, theirs = getattr(snap, name), getattr(twin, name)
+        if mine is None or theirs is None:
+            if (mine is None) != (theirs is None):
+                problems.append(f"{name}: kept by one backend only")
+            continue
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            a64, b64 = a.detach().reshape(-1).double(), b.detach().reshape(-1).double()
+            if name in ("exp_avg", "exp_avg_sq"):
+                tol = _q8_step(name, b64.abs())
+            else:
+                tol = b64.abs() * torch.finfo(a.dtype).eps + torch.finfo(a.dtype).tiny + w_atol
+            far = ~((a64 - b64).abs() <= tol)
+            if int(far.sum()) > Q8_TWIN_FRACTION * far.numel():
+                problems.append(f"{name}[{i}]: {int(far.sum())} of {far.numel()} elements differ from the reference "
+                                f"backend's beyond one step (at most {Q8_TWIN_FRACTION:.0%} may)")
+                break
     return problems
 
 
@@ -261,6 +367,14 @@ def check_mode(runner: Runner, inst: Instance, plan: Plan, exp: Expected, mode: 
     snap = runner.snapshot()
     if mode.twin is None:
         problems = compare_mode(snap, norms, exp, inst, plan, mode, runner.params0)
+        if mode.q8_moments and runner.backend != "reference":  # the format's specification, on the same steps
+            twin = ModeRunner(runner.variant + " (reference twin)", "reference", inst,
+                              [p.detach() for p in runner.params0], mode)
+            run_check_steps(twin, plan)
+            w_atol = inst.lr * adam_ratio_bound(inst.betas) * 1.5 * Q8_REL_STEP * exp.updates
+            problems += [f"against the reference backend: {p}"
+                         for p in compare_q8_twin(snap, twin.snapshot(), w_atol)]
+            del twin
     else:
         twin_mode = BY_SUFFIX.get(mode.twin, FP32_MODE)
         twin = ModeRunner(runner.variant + " (twin)", runner.backend, inst, [p.detach() for p in runner.params0],
