@@ -2,7 +2,8 @@
 
 The parameters stay the user's tensors, wherever they live and however they are laid out in memory. A
 segment holds what the optimizer derives from them: fp32 master copies (for fp16/bf16 parameters), the
-optimizer states (moments, momentum) in flat fp32 buffers laid out by :func:`ampfused.ops.state_layout`,
+optimizer states (moments, momentum) in flat buffers (fp32, bf16, or 8-bit codes with their block scales in
+``scales``: docs/state-precision.md) laid out by :func:`ampfused.ops.state_layout`,
 one step count per parameter and the group's lr as a device tensor. Parameter ``i``'s slice of a flat
 buffer holds its elements in the parameter's memory order, so :meth:`Segment.view` of a slice with the
 parameter's strides is its state as ``torch.optim`` shapes it (``channels_last`` included).
