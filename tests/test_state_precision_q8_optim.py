@@ -383,3 +383,28 @@ def test_the_smallest_mode_keeps_at_most_2_1_bytes_per_parameter():
     # and with remainders: 2 (remainder) + the moments
     assert bytes_per_param(ampfused.FusedAdamW(_params(), store_param_remainders=True, **Q8_ADAM)._precision,
                            BF16, 2, True) == 4 + 2 * 4 / 256
+
+
+def test_a_parameter_changing_layout_keeps_its_moments():
+    ps, opt = _make("adamw", "reference", "fp32-master")
+    for k in range(2):
+        _feed([(ps, opt)], k)
+    before = {i: {n: opt.state[p][n].clone() for n in opt.state[p]} for i, p in enumerate(ps)}
+    values = {n: _decoded(ps[2], opt.state[ps[2]], n) for n in ("exp_avg", "exp_avg_sq")}
+    with torch.no_grad():
+        ps[2].data = ps[2].detach().contiguous()  # another memory order: its blocks hold other elements now
+    opt.state_dict()  # (the optimizer follows the change)
+    assert opt.state[ps[2]]["exp_avg"].stride() == (53, 1)
+    for i in (0, 1, 3):  # the others keep their codes and scales bit for bit
+        for n, t in before[i].items():
+            assert_bitwise(f"params[{i}] {n}", opt.state[ps[i]][n], t)
+    for n, x in values.items():  # re-encoded to nearest in the new order
+        got = _decoded(ps[2], opt.state[ps[2]], n)
+        _within_rounding(n, _in_order(got, ps[2]), _in_order(x, ps[2]), sp.q8_signed(n))
+    _feed([(ps, opt)], 2)  # and it steps on
+
+
+def _decoded(p, st, name):
+    out = torch.empty_like(p, dtype=torch.float32)
+    memory_view(out).copy_(sp.q8_dequantize(memory_view(st[name]), st[f"{name}_scale"], sp.q8_signed(name)))
+    return out
