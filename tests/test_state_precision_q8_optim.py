@@ -423,3 +423,21 @@ def test_the_format_comparison_script_measures_what_the_doc_says():
     linear = Q.measure(moments, Q.linear_int8, 1e-8)
     assert ours[0] < 2 ** -4 and ours[1] < 2 ** -4  # mean relative error within half a code step
     assert linear[2] > 10 * max(ours[2], 1e-4) and linear[3] > 100 * ours[3]
+
+
+def test_fsdp2_sharded_parameters_refuse_8bit_moments():
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group of this process")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    dist.init_process_group("gloo", store=dist.HashStore(), world_size=1, rank=0)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        p = torch.nn.Parameter(DTensor.from_local(torch.randn(300).to(BF16), mesh, [Shard(0)]))
+        opt = ampfused.FusedAdamW([p], **Q8_ADAM)
+        p.grad = DTensor.from_local(torch.randn(300).to(BF16), mesh, [Shard(0)])
+        with pytest.raises(ValueError, match=r"8-bit moments \(torch.uint8\) are not supported for FSDP2-sharded"):
+            opt.step()
+    finally:
+        dist.destroy_process_group()
