@@ -4,6 +4,7 @@
 One op per module, the ``@triton.jit`` kernels (prefixed ``_``) followed by their launcher:
 ``norm_check`` (K1 and the in-place ``unscale_``), ``adam`` and ``sgd`` (K2), ``update_scale``; ``_common``
 holds the shared prologue, step advance, conversions, the tensor tables and chunk lists the kernels walk, and
-launch geometry. ``ampfused.ops.triton`` calls the launchers; modules are imported on first use, and
-importing them touches no GPU.
+launch geometry; ``_compact`` the compact-state codecs (master remainders, stochastic rounding, bf16 moments)
+and ``_q8`` those of 8-bit moments, both specified in ``ampfused.ops.state_precision``. ``ampfused.ops.triton``
+calls the launchers; modules are imported on first use, and importing them touches no GPU.
 """

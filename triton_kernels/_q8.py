@@ -8,7 +8,9 @@ kernel's block, itself a multiple of QBLOCK) within its parameter, so a kernel b
 ``BLOCK // QBLOCK`` whole quantization blocks, of one parameter: row ``k`` of its ``[BLOCK // QBLOCK, QBLOCK]``
 reshape is the flat buffer's block ``(state + base) // QBLOCK + k``. A block past the parameter's end (the
 parameter's tail block) is masked out; the lanes of a partial block past the end count as zeros in its
-maximum and are never read or written.
+maximum and are never read or written. (The launchers' chunk is ``8 * BLOCK``; a table's state offsets must be
+multiples of QBLOCK, as ``state_layout(numels, QBLOCK)`` makes them: the ops lay the table out so, the fused
+optimizers' segments too.)
 
 Integer arithmetic stays in int32 where values are signed (exponent fields, shifts) and in uint32 for bit
 patterns, with every shift amount in [0, 31] (numpy, the interpreter's arithmetic, and the GPU agree there).
@@ -40,8 +42,8 @@ def _q8_encode(x, e_block, r, SIGNED: tl.constexpr):
     ex = a >> 23
     sig = ((a & 0x7FFFFF) | tl.where(ex > 0, 0x800000, 0)).to(tl.uint32)
     top: tl.constexpr = 14 if SIGNED else 30  # exponent field of a block's largest value
-    e = tl.maximum(ex, 1) - e_block + top    # the code's exponent field (may be <= 0)
-    shift = 20 + tl.maximum(1 - e, 0)                   # significand bits the code drops
+    e = tl.maximum(ex, 1) - e_block + top     # the code's exponent field (may be <= 0)
+    shift = 20 + tl.maximum(1 - e, 0)         # significand bits the code drops
     s = tl.minimum(shift, 31).to(tl.uint32)
     low = (tl.full((), 1, tl.uint32) << s) - 1
     q = tl.where(shift > 31, 0, ((sig + (r & low)) >> s).to(tl.int32))
