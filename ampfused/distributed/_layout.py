@@ -16,9 +16,17 @@ independent bits, and a world of one draws what the unsharded optimizer draws; o
 ``align`` (1 by default) keeps every parameter's start in the space and every shard boundary at a multiple of
 ``align`` elements, so a shard cuts a parameter only at multiples of ``align`` of its own elements (a block-wise
 state format with blocks of ``align`` elements of each parameter keeps whole blocks per rank).
+
+8-bit moments (uint8 codes, one fp32 scale per block of ``QBLOCK`` elements of a parameter) are such a format: a
+space whose moments are uint8 is aligned to ``QBLOCK`` (the least common multiple with ``align``), so each rank
+owns whole blocks of each parameter (only a parameter's last block may be partial), its pieces start at multiples
+of ``QBLOCK`` in its flat buffers (``state_layout(lengths, QBLOCK)``, as the step op lays them out), and
+:attr:`ShardSegment.scales` (``[moments, blocks]`` fp32) holds the scales of exactly the blocks it owns: the same
+codes and scales as the unsharded optimizer's blocks of the same elements.
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional
 
 import torch
@@ -58,6 +66,7 @@ class Space:
 
     def __init__(self, dtype: torch.dtype, entries: List[tuple], world: int, rank: int, align: int = 1):
         self.dtype = dtype
+        self.align = align
         self.groups = [gi for gi, _ in entries]
         self.params: List[Tensor] = [p for _, p in entries]
         self.offsets: List[int] = []
@@ -100,17 +109,24 @@ class ShardSegment:
         self.starts = [a for _, a, _, _ in pieces]
         self.lengths = [n for _, _, n, _ in pieces]
         self.shard_offsets = [o for _, _, _, o in pieces]
-        self.offsets, self.total = state_layout(self.lengths)
         device = space.params[0].device
         f32 = dict(dtype=torch.float32, device=device)
         master_dtype, moments = state_dtypes(precision, space.dtype, use_master)
+        # 8-bit moments: pieces start at multiples of QBLOCK (each block of codes is one parameter's), as the step
+        # op lays them out; the space's alignment makes every piece start at a block of its parameter
+        self.offsets, self.total = (state_layout(self.lengths, sp.QBLOCK) if moments == torch.uint8
+                                    else state_layout(self.lengths))
         self.master: Optional[Tensor] = (torch.zeros(self.total, dtype=master_dtype, device=device)
                                          if master_dtype is not None else None)  # remainders 0: the weights' values
         self.states: Dict[str, Tensor] = {name: torch.zeros(self.total, dtype=moments, device=device)
                                           for name in state_names}
+        # 8-bit moments' block scales: one row per moment (state_names' order), one column per block of the flat
+        # buffers (zero scales decode fresh all-zero codes as zeros)
+        self.scales: Optional[Tensor] = (torch.zeros(len(state_names), sp.q8_blocks(self.total), **f32)
+                                         if moments == torch.uint8 else None)
         draws = precision.master_format(space.dtype, use_master) == sp.MASTER_NONE
         self.seed: Optional[Tensor] = (shard_seed(precision, group_index, space.dtype, device, space.lo)
-                                       if draws or moments == torch.bfloat16 else None)
+                                       if draws or moments in sp.COMPACT_STATE_DTYPES else None)
         self.steps = torch.zeros(len(pieces), **f32)
         self.has_state = [False] * len(pieces)
         self.lr = torch.zeros((), **f32)
@@ -126,6 +142,16 @@ class ShardSegment:
         """Piece ``k``'s slice of one of this segment's flat state buffers."""
         return flat[self.offsets[k]:self.offsets[k] + self.lengths[k]]
 
+    def blocks(self, k: int) -> slice:
+        """Piece ``k``'s columns of :attr:`scales` (8-bit moments): its own blocks."""
+        first = self.offsets[k] // sp.QBLOCK
+        return slice(first, first + sp.q8_blocks(self.lengths[k]))
+
+    def scale_view(self, name: str, k: int, scales: Optional[Tensor] = None) -> Tensor:
+        """Piece ``k``'s block scales of moment ``name`` (a view of ``scales``, the segment's by default)."""
+        scales = self.scales if scales is None else scales
+        return scales[list(self.states).index(name), self.blocks(k)]
+
     def param_piece(self, k: int) -> Tensor:
         """Piece ``k`` of the parameter itself (a 1-D view of its memory)."""
         return memory_view(self.space.params[self.index[k]])[self.starts[k]:self.starts[k] + self.lengths[k]]
@@ -135,7 +161,7 @@ class ShardSegment:
         return buf[self.shard_offsets[k]:self.shard_offsets[k] + self.lengths[k]]
 
     def state_bytes(self) -> int:
-        flats = list(self.states.values()) + ([self.master] if self.master is not None else [])
+        flats = list(self.states.values()) + [t for t in (self.master, self.scales) if t is not None]
         return sum(t.numel() * t.element_size() for t in flats) + self.steps.numel() * self.steps.element_size()
 
 
@@ -147,7 +173,8 @@ def build_spaces(param_groups: List[dict], world: int, rank: int, use_master, st
             by_dtype.setdefault(p.dtype, []).append((gi, p))
     spaces = []
     for dtype, entries in by_dtype.items():
-        space = Space(dtype, entries, world, rank, align)
+        q8 = state_dtypes(precision, dtype, use_master(dtype))[1] == torch.uint8
+        space = Space(dtype, entries, world, rank, math.lcm(align, sp.QBLOCK) if q8 else align)
         per_group: Dict[int, List[tuple]] = {}
         for gi, j, a, n, o in space.pieces():
             per_group.setdefault(gi, []).append((j, a, n, o))

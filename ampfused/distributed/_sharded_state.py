@@ -7,9 +7,11 @@ for the same run, so it loads into any world size, into the unsharded fused opti
 builds the new buffers aside before swapping them in, so a state dict that does not fit changes nothing.
 
 Compact state (``docs/state-precision.md``) is exported in its storage precision under the unsharded optimizer's
-keys (bf16 moments, int16 ``master_remainder``), and imported as the unsharded optimizer imports it: an fp32
-checkpoint's moments are rounded to the moments' dtype, its ``master_param`` becomes remainders
-(:func:`ampfused.optim._precision.remainders_from`).
+keys (bf16 moments, int16 ``master_remainder``; 8-bit moments as uint8 codes shaped like the parameter and
+``<name>_scale``, the fp32 scales of the parameter's own blocks), and imported as the unsharded optimizer imports
+it: an fp32 checkpoint's moments are rounded to the moments' dtype (8-bit: encoded to nearest), 8-bit codes into
+8-bit moments are kept bit for bit with their scales (a rank owns whole blocks of each parameter), into other
+moments decoded exactly; its ``master_param`` becomes remainders (:func:`ampfused.optim._precision.remainders_from`).
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ import torch
 from torch import Tensor
 
 from ..ops import memory_view
+from ..ops import state_precision as sp
 from ..optim._precision import remainders_from
-from ..optim._state import _packed_groups, checked_entry, checked_groups
+from ..optim._state import _codes_values, _packed_groups, checked_entry, checked_groups
 from . import _comm as C
 from ._layout import master_key, state_dtypes
 
@@ -38,6 +41,19 @@ def _whole(s, name: str, dtype: torch.dtype, group) -> Tensor:
         C.all_gather(out.view(torch.bfloat16), local.view(torch.bfloat16), group)
     else:
         C.all_gather(out, local, group)
+    return out
+
+
+def _whole_scales(s, name: str, group) -> Tensor:
+    """All ranks' block scales of 8-bit moment ``name`` of space ``s``, one per block of the space (its parameters
+    and shard cuts are at multiples of QBLOCK: parameter ``j``'s blocks start at ``offsets[j] // QBLOCK``)."""
+    local = torch.zeros(s.shard // sp.QBLOCK, dtype=torch.float32, device=s.comm.device)
+    for seg in s.segments:
+        for k in range(len(seg)):
+            first = seg.shard_offsets[k] // sp.QBLOCK
+            local[first:first + sp.q8_blocks(seg.lengths[k])].copy_(seg.scale_view(name, k))
+    out = torch.empty(s.comm.numel() // sp.QBLOCK, dtype=torch.float32, device=s.comm.device)
+    C.all_gather(out, local, group)
     return out
 
 
@@ -60,10 +76,17 @@ def export_sharded(opt) -> dict:
         if master is not None:
             dtypes[master_key(master)] = master
         whole = {name: _whole(s, name, dtype, opt.process_group) for name, dtype in dtypes.items()}
+        scales = ({name: _whole_scales(s, name, opt.process_group) for name in opt.state_names}
+                  if moments == torch.uint8 else {})
         for j, p in enumerate(s.params):
             if not has[j]:
                 continue
-            st = {name: flat.as_strided(p.shape, p.stride(), s.offsets[j]).clone() for name, flat in whole.items()}
+            st = {name: whole[name].as_strided(p.shape, p.stride(), s.offsets[j]).clone() for name in opt.state_names}
+            first = s.offsets[j] // sp.QBLOCK
+            st.update({f"{name}_scale": flat[first:first + sp.q8_blocks(p.numel())].clone()
+                       for name, flat in scales.items()})
+            st.update({name: whole[name].as_strided(p.shape, p.stride(), s.offsets[j]).clone()
+                       for name in dtypes if name not in opt.state_names})
             state[index[id(p)]] = opt._export_param_state(st, count[j])
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
@@ -85,11 +108,30 @@ def import_sharded(opt, state_dict: dict) -> None:
         out.copy_(v.reshape(p.shape))
         return memory_view(out)
 
+    sources: Dict[tuple, tuple] = {}
+
+    def moment(key: str, e: dict, p: Tensor, q8: bool) -> tuple:
+        """Saved moment ``e[key]`` of ``p`` in ``p``'s memory order as this optimizer stores it, once per parameter:
+        ``(codes, block scales)`` for 8-bit moments (saved codes kept bit for bit when their blocks follow ``p``'s
+        memory order, as the unsharded optimizer keeps them; else the values encoded to nearest), ``(values,
+        None)`` otherwise (saved codes decoded exactly)."""
+        if (id(p), key) not in sources:
+            v = e[key]
+            coded = v.dtype == torch.uint8
+            if q8 and coded and (v.stride() == p.stride() or v.is_contiguous() and p.is_contiguous()):
+                codes = memory_view(v) if not v.is_contiguous() else v.reshape(-1)
+                sources[id(p), key] = codes.to(p.device), e[f"{key}_scale"].to(p.device)
+            else:
+                values = in_memory_order(_codes_values(key, e) if coded else v, p)
+                sources[id(p), key] = sp.q8_quantize(values.float(), sp.q8_signed(key)) if q8 else (values, None)
+        return sources[id(p), key]
+
     built = []
     with torch.no_grad():
         for s in opt._spaces:
             for seg in s.segments:
                 states = {name: torch.zeros_like(flat) for name, flat in seg.states.items()}
+                scales = torch.zeros_like(seg.scales) if seg.scales is not None else None
                 master = torch.zeros_like(seg.master) if seg.master is not None else None
                 steps, has = [0.0] * len(seg), [False] * len(seg)
                 for k, j in enumerate(seg.index):
@@ -100,7 +142,11 @@ def import_sharded(opt, state_dict: dict) -> None:
                         e, keys, steps[k] = entry
                         has[k] = True
                         for key in keys:
-                            seg.piece(states[key], k).copy_(in_memory_order(e[key], p)[a:a + n])
+                            src, src_scales = moment(key, e, p, scales is not None)
+                            seg.piece(states[key], k).copy_(src[a:a + n])
+                            if src_scales is not None:  # the piece's blocks: a is a multiple of QBLOCK
+                                first = a // sp.QBLOCK
+                                seg.scale_view(key, k, scales).copy_(src_scales[first:first + sp.q8_blocks(n)])
                     e = entry[0] if entry is not None else {}
                     if master is not None and master.dtype == torch.int16:  # remainders
                         if e.get("master_remainder") is not None:
@@ -112,9 +158,10 @@ def import_sharded(opt, state_dict: dict) -> None:
                         src = e.get("master_param")
                         seg.piece(master, k).copy_(in_memory_order(src, p)[a:a + n] if src is not None
                                                    else seg.param_piece(k))
-                built.append((seg, states, master, torch.tensor(steps, dtype=torch.float32).to(seg.steps.device), has))
-    for seg, states, master, steps, has in built:
-        seg.states, seg.master, seg.steps, seg.has_state = states, master, steps, has
+                steps = torch.tensor(steps, dtype=torch.float32).to(seg.steps.device)
+                built.append((seg, states, scales, master, steps, has))
+    for seg, states, scales, master, steps, has in built:
+        seg.states, seg.scales, seg.master, seg.steps, seg.has_state = states, scales, master, steps, has
         seg.lr_value = None
     for g, ng in zip(groups, new_groups):
         g.update(ng)

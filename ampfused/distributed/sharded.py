@@ -18,7 +18,8 @@ skips together; the all-gather makes the parameters bitwise identical on every r
 
 The state-precision options of the fused optimizers (``store_param_remainders``, ``bf16_stochastic_round``, the
 moments' dtypes, ``seed``; ``docs/state-precision.md``) apply to each rank's shard of the state as they apply to a
-segment's state (see :mod:`._layout` for the stochastic rounding's draws).
+segment's state (see :mod:`._layout` for the stochastic rounding's draws, and for 8-bit moments, whose shards
+hold whole blocks of each parameter).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
     _ampfused_fused = True  # ampfused.GradScaler unscales through _ampfused_unscale_
     state_names: tuple = ()
     # shard boundaries and parameter starts at multiples of this many elements (see ._layout); a block-wise state
-    # format sets its block size here
+    # format sets its block size here (8-bit moments align their dtype's space to lcm(shard_align, QBLOCK))
     shard_align: int = 1
 
     def __init__(self, params, defaults: dict, *, process_group=None, grad_reduction: Optional[str] = "mean",
@@ -304,7 +305,8 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
 
     def _bind_state(self, params) -> None:
         """``state[p]`` for each of ``params``: this rank's piece of each of its state buffers (flat views in the
-        buffers' dtypes, empty where this rank owns none of ``p``). Every rank holds an entry for every parameter
+        buffers' dtypes, empty where this rank owns none of ``p``; 8-bit moments: codes and ``<name>_scale``, the
+        scales of the piece's blocks). Every rank holds an entry for every parameter
         that has state, so code that asks whether the optimizer has state (torch.distributed.checkpoint's
         get_optimizer_state_dict does) gets the same answer on every rank. The whole state: :meth:`state_dict`."""
         where = {}
@@ -317,11 +319,16 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
             if seg_k is None:
                 master, moments = state_dtypes(self._precision, p.dtype, self._use_master(p.dtype))
                 values = {name: torch.empty(0, dtype=moments, device=self._device) for name in self.state_names}
+                if moments == torch.uint8:
+                    values.update({f"{name}_scale": torch.empty(0, dtype=torch.float32, device=self._device)
+                                   for name in self.state_names})
                 if master is not None:
                     values[master_key(master)] = torch.empty(0, dtype=master, device=self._device)
             else:
                 seg, k = seg_k
                 values = {name: seg.piece(flat, k) for name, flat in seg.states.items()}
+                if seg.scales is not None:  # 8-bit moments: the piece's block scales beside its codes
+                    values.update({f"{name}_scale": seg.scale_view(name, k) for name in seg.states})
                 if seg.master is not None:
                     values[master_key(seg.master.dtype)] = seg.piece(seg.master, k)
             st = ParamState()
