@@ -36,7 +36,9 @@ class ShardedFusedAdam(_ShardedAdamBase):
     State precision (``docs/state-precision.md``): ``store_param_remainders``, ``bf16_stochastic_round``,
     ``exp_avg_dtype``/``exp_avg_sq_dtype`` and ``seed`` as in :class:`ampfused.FusedAdam`, applied to each rank's
     shard of the state. Stochastic rounding draws depend on the world size (a world of one draws as
-    :class:`ampfused.FusedAdam` does); remainders draw nothing, so their masters do not."""
+    :class:`ampfused.FusedAdam` does); remainders draw nothing, so their masters do not. With 8-bit moments
+    (``torch.uint8``) the shards are cut at multiples of their 256-element blocks, so each rank keeps whole blocks
+    of each parameter and their scales, and a state dict holds them as the unsharded optimizer's does."""
 
 
 class ShardedFusedAdamW(_ShardedAdamBase):
@@ -51,7 +53,7 @@ class ShardedFusedAdamW(_ShardedAdamBase):
 class ShardedFusedSGD(SgdMath, ShardedFusedOptimizer):
     """SGD (``torch.optim.SGD`` math) with ZeRO-1 sharding; arguments of :class:`ampfused.FusedSGD` plus
     ``process_group`` and ``grad_reduction`` (see :class:`ShardedFusedAdam`), state precision options included
-    (``momentum_dtype`` for the momentum buffer)."""
+    (``momentum_dtype`` for the momentum buffer, ``torch.uint8`` included)."""
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, process_group=None, grad_reduction: Optional[str] = "mean",
