@@ -66,7 +66,6 @@ class Space:
 
     def __init__(self, dtype: torch.dtype, entries: List[tuple], world: int, rank: int, align: int = 1):
         self.dtype = dtype
-        self.align = align
         self.groups = [gi for gi, _ in entries]
         self.params: List[Tensor] = [p for _, p in entries]
         self.offsets: List[int] = []

@@ -25,9 +25,14 @@ Q8 = dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8, seed=11)
 MODES = {"q8": Q8, "sr+q8": dict(Q8, bf16_stochastic_round=True), "rem+q8": dict(Q8, store_param_remainders=True)}
 
 
-def _model():
+def _model(transposed=False):
+    """``transposed``: the weight's memory order is its transpose's (strides (1, FOUT)): its blocks of 256 run
+    down the columns."""
     torch.manual_seed(0)
-    return torch.nn.Linear(FIN, FOUT).to(torch.bfloat16)
+    model = torch.nn.Linear(FIN, FOUT).to(torch.bfloat16)
+    if transposed:
+        model.weight = torch.nn.Parameter(model.weight.detach().t().contiguous().t())
+    return model
 
 
 def _data(world, steps=STEPS, inject=True):
@@ -162,10 +167,10 @@ def _assert_near_single(got, want, where):
             assert (mine - single).abs().max() <= 2 * 2.0 ** -3 * single.abs().max(), f"{where}: {name}[{i}]"
 
 
-def _ckpt_worker(rank, world, out, options, ckpt, phase):
+def _ckpt_worker(rank, world, out, options, ckpt, phase, transposed=False):
     """``save``: 4 steps, the checkpoint after 2 (rank 0 writes it); ``load``: the checkpoint, its state dict as
     loaded, then steps 2 and 3. Every world size sees the same 16 rows per step."""
-    model = _model()
+    model = _model(transposed)
     opt = _optimizer("adamw", model, True, options)
     x, c = _data(2, inject=False)
     per_rank = 2 * ROWS // world
@@ -188,16 +193,16 @@ def _ckpt_worker(rank, world, out, options, ckpt, phase):
     save(out, rank, dict(_result(model, opt), loaded=loaded))
 
 
-def _ckpt(tmp_path, world, options, ckpt, phase):
+def _ckpt(tmp_path, world, options, ckpt, phase, transposed=False):
     out = tmp_path / f"{phase}-{world}-{len(list(tmp_path.iterdir()))}"
     out.mkdir()
-    run_ranks(_ckpt_worker, world, str(out), options, ckpt, phase)
+    run_ranks(_ckpt_worker, world, str(out), options, ckpt, phase, transposed)
     return load(out, world)
 
 
-def _single_from(options, sd):
+def _single_from(options, sd, transposed=False):
     """FusedAdamW loaded from checkpoint ``sd``: its state dict as loaded, and after steps 2 and 3."""
-    model = _model()
+    model = _model(transposed)
     with torch.no_grad():
         for p, v in zip(model.parameters(), sd["model"]):
             p.copy_(v)
@@ -233,19 +238,24 @@ def test_q8_checkpoint_moves_between_world_sizes_and_the_single_process_optimize
 
 def test_single_process_checkpoints_load_at_world_two(tmp_path):
     """A FusedAdamW checkpoint with 8-bit moments reshards exactly (codes and scales as saved on every rank); one
-    of fp32 moments is encoded to nearest and one of 8-bit moments into fp32 moments decoded exactly, as
-    FusedAdamW loads them."""
+    of fp32 moments is encoded to nearest, one of 8-bit moments into fp32 moments decoded exactly, and 8-bit codes
+    into a weight of another memory order (whose blocks are other elements) re-encoded to nearest, as FusedAdamW
+    loads them."""
     for name, saved_options, options in (("q8", MODES["rem+q8"], MODES["rem+q8"]),
                                          ("fp32 into q8", {}, MODES["rem+q8"]),
-                                         ("q8 into fp32", MODES["rem+q8"], dict(store_param_remainders=True))):
+                                         ("q8 into fp32", MODES["rem+q8"], dict(store_param_remainders=True)),
+                                         ("q8 into transposed", MODES["rem+q8"], MODES["rem+q8"])):
+        transposed = name.endswith("transposed")
         model, opt = _single("adamw", saved_options, steps=range(2), inject=False)
         ckpt = str(tmp_path / f"{name}.pt")
         torch.save({"optim": opt.state_dict(), "model": [p.detach().clone() for p in model.parameters()]}, ckpt)
         saved = torch.load(ckpt, weights_only=False)
-        ranks = _ckpt(tmp_path, 2, options, ckpt, "load")
-        single_loaded, single = _single_from(options, saved)
+        ranks = _ckpt(tmp_path, 2, options, ckpt, "load", transposed)
+        single_loaded, single = _single_from(options, saved, transposed)
         if name == "q8":
             _assert_state(single_loaded, saved["optim"], name)
+        if transposed:  # the codes follow the weight's memory order
+            assert ranks[0]["loaded"]["state"][0]["exp_avg"].stride() == (1, FOUT)
         for r, got in enumerate(ranks):
             _assert_state(got["loaded"], single_loaded, f"{name}, rank {r} as loaded")
             _assert_same(got, ranks[0], f"{name}, rank {r} against rank 0, continued")
