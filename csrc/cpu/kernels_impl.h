@@ -323,8 +323,10 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
                         uint32_t index_high, Apply apply) {
   const Consts k = consts;  // a local copy: stores to the buffers cannot alias it
   constexpr bool kBf16State = std::is_same<S, bf16_t>::value;
+  constexpr bool kQ8State = std::is_same<S, uint8_t>::value;  // 8-bit moments: codes and block scales
   constexpr bool kBf16Param = kFmt != kMasterF32;  // remainders and stochastic rounding: bf16 weights
   constexpr bool kNearestBf16 = kFmt == kMasterF32 && std::is_same<P, bf16_t>::value;
+  static_assert(kCompactBlock == kQBlock, "a block of compact_span is a block of 8-bit codes");
   const int64_t at = t.offset + lo;
   const G* __restrict g = static_cast<const G*>(t.grad) + lo;
   P* __restrict p = static_cast<P*>(t.param) + lo;
@@ -335,12 +337,21 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
   float* __restrict f2 = b.state2 + at;
   uint16_t* __restrict h1 = reinterpret_cast<uint16_t*>(b.state1) + at;
   uint16_t* __restrict h2 = reinterpret_cast<uint16_t*>(b.state2) + at;
+  uint8_t* __restrict q1 = reinterpret_cast<uint8_t*>(b.state1) + at;
+  uint8_t* __restrict q2 = reinterpret_cast<uint8_t*>(b.state2) + at;
+  float* __restrict sc1 = b.state_scales;
+  float* __restrict sc2 = b.state_scales + b.scale_blocks;
   const uint32_t kw = random_key_high(t.keys[0], index_high), k1 = random_key_high(t.keys[1], index_high),
                  k2 = random_key_high(t.keys[2], index_high);
   const uint32_t index_low = uint32_t(uint64_t(at));
   alignas(64) float wb[kCompactBlock], ab[kCompactBlock], cb[kCompactBlock];
   for (int32_t j0 = 0; j0 < n; j0 += kCompactBlock) {
     const int32_t m = std::min(kCompactBlock, n - j0);
+    // 8-bit moments: with the layout's offsets at multiples of kQBlock (and lo at one of kStepBlock, or where
+    // the index's high half changes), this block is one block of codes: its exponent read, then rewritten
+    const int64_t blk = (at + j0) / kQBlock;
+    const int32_t x1 = kQ8State && kStates >= 1 ? q8_exponent(sc1[blk]) : 0;
+    const int32_t x2 = kQ8State && kStates >= 2 ? q8_exponent(sc2[blk]) : 0;
     uint32_t nan = 0;
 #pragma omp simd reduction(| : nan)
     for (int32_t j = 0; j < m; ++j) {
@@ -351,11 +362,17 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
       else if constexpr (kMaster) w = master[e];
       else w = to_f32(p[e]);
       float a = 0.0f, c = 0.0f;
-      if constexpr (kStates >= 1) a = kBf16State ? f32_from_bits(uint32_t(h1[e]) << 16) : f1[e];
-      if constexpr (kStates >= 2) c = kBf16State ? f32_from_bits(uint32_t(h2[e]) << 16) : f2[e];
+      if constexpr (kStates >= 1) {
+        if constexpr (kQ8State) a = q8_decode<true>(q1[e], x1);
+        else a = kBf16State ? f32_from_bits(uint32_t(h1[e]) << 16) : f1[e];
+      }
+      if constexpr (kStates >= 2) {
+        if constexpr (kQ8State) c = q8_decode<false>(q2[e], x2);
+        else c = kBf16State ? f32_from_bits(uint32_t(h2[e]) << 16) : f2[e];
+      }
       apply(to_f32(g[e]), w, a, c, k);
-      if constexpr (kStates >= 1 && !kBf16State) f1[e] = a;
-      if constexpr (kStates >= 2 && !kBf16State) f2[e] = c;
+      if constexpr (kStates >= 1 && !kBf16State && !kQ8State) f1[e] = a;
+      if constexpr (kStates >= 2 && !kBf16State && !kQ8State) f2[e] = c;
       if constexpr (kMaster) master[e] = w;
       wb[j] = w;
       ab[j] = a;
@@ -363,12 +380,24 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
       const float sum = w + a + c;  // NaN when one of them is (or from inf - inf: then the careful stores)
       nan |= sum != sum ? 1u : 0u;
     }
+    // 8-bit moments: the block's exponents from the largest of its new values (an integer max: any order)
+    uint32_t big1 = 0, big2 = 0;
+    if constexpr (kQ8State) {
+#pragma omp simd reduction(max : big1, big2)
+      for (int32_t j = 0; j < m; ++j) {
+        if constexpr (kStates >= 1) big1 = std::max(big1, q8_abs_bits(ab[j]));
+        if constexpr (kStates >= 2) big2 = std::max(big2, q8_abs_bits(cb[j]));
+      }
+    }
+    const int32_t y1 = q8_block_exponent(big1), y2 = q8_block_exponent(big2);
     const auto stores = [&](auto careful) {
       constexpr bool kCareful = decltype(careful)::value;
 #pragma omp simd
       for (int32_t j = 0; j < m; ++j) {
         const int32_t e = j0 + j;
         const uint32_t index = index_low + uint32_t(e);
+        if constexpr (kStates >= 1 && kQ8State) q1[e] = q8_encode<true>(ab[j], y1, random_bits_low(k1, index));
+        if constexpr (kStates >= 2 && kQ8State) q2[e] = q8_encode<false>(cb[j], y2, random_bits_low(k2, index));
         if constexpr (kStates >= 1 && kBf16State) {
           const uint32_t r = random_bits_low(k1, index);
           h1[e] = kCareful ? round_stochastic_bits(ab[j], r) : round_stochastic_finite(f32_bits(ab[j]), r);
@@ -394,6 +423,8 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
     };
     if (nan) stores(std::true_type{});
     else stores(std::false_type{});
+    if constexpr (kQ8State && kStates >= 1) sc1[blk] = q8_scale(y1);
+    if constexpr (kQ8State && kStates >= 2) sc2[blk] = q8_scale(y2);
   }
 }
 
@@ -458,20 +489,28 @@ void compact_apply(const StepBufs& b, const StepTensor* ts, const Consts* cs, in
   };
   const auto with_state = [&](auto ptag, auto fmt) {
     if (b.state_dtype == kBF16) run(ptag, fmt, bf16_t{});
+    else if (b.state_dtype == kStateU8) run(ptag, fmt, uint8_t{});
     else run(ptag, fmt, float{});
+  };
+  // fp32 weights (an fp32 master, or fp32 parameters): compact only by their moments
+  const auto compact_moments = [&](auto ptag, auto fmt) {
+    if (b.state_dtype == kStateU8) run(ptag, fmt, uint8_t{});
+    else run(ptag, fmt, bf16_t{});
   };
   if (b.master_format == kMasterRemainder) {
     with_state(bf16_t{}, std::integral_constant<int, kMasterRemainder>{});
   } else if (b.master_format == kMasterNone) {
     with_state(bf16_t{}, std::integral_constant<int, kMasterNone>{});
   } else if (!b.master) {
-    run(float{}, std::integral_constant<int, kMasterF32>{}, bf16_t{});
+    compact_moments(float{}, std::integral_constant<int, kMasterF32>{});
   } else {
-    with_type(b.param_dtype, [&](auto ptag) { run(ptag, std::integral_constant<int, kMasterF32>{}, bf16_t{}); });
+    with_type(b.param_dtype, [&](auto ptag) { compact_moments(ptag, std::integral_constant<int, kMasterF32>{}); });
   }
 }
 
-inline bool is_compact(const StepBufs& b) { return b.master_format != kMasterF32 || b.state_dtype == kBF16; }
+inline bool is_compact(const StepBufs& b) {
+  return b.master_format != kMasterF32 || b.state_dtype == kBF16 || b.state_dtype == kStateU8;
+}
 
 }  // namespace
 
