@@ -380,24 +380,39 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
       const float sum = w + a + c;  // NaN when one of them is (or from inf - inf: then the careful stores)
       nan |= sum != sum ? 1u : 0u;
     }
-    // 8-bit moments: the block's exponents from the largest of its new values (an integer max: any order)
-    uint32_t big1 = 0, big2 = 0;
+    // 8-bit moments: the block's exponents from the largest of its new values (an integer max: any order);
+    // with the smallest, whether every code is normal (then q8_encode_normal gives q8_encode's bits)
+    uint32_t big1 = 0, big2 = 0, small1 = 0xffffffffu, small2 = 0xffffffffu;
     if constexpr (kQ8State) {
-#pragma omp simd reduction(max : big1, big2)
+#pragma omp simd reduction(max : big1, big2) reduction(min : small1, small2)
       for (int32_t j = 0; j < m; ++j) {
-        if constexpr (kStates >= 1) big1 = std::max(big1, q8_abs_bits(ab[j]));
-        if constexpr (kStates >= 2) big2 = std::max(big2, q8_abs_bits(cb[j]));
+        if constexpr (kStates >= 1) {
+          big1 = std::max(big1, q8_abs_bits(ab[j]));
+          small1 = std::min(small1, q8_abs_bits(ab[j]));
+        }
+        if constexpr (kStates >= 2) {
+          big2 = std::max(big2, q8_abs_bits(cb[j]));
+          small2 = std::min(small2, q8_abs_bits(cb[j]));
+        }
       }
     }
     const int32_t y1 = q8_block_exponent(big1), y2 = q8_block_exponent(big2);
-    const auto stores = [&](auto careful) {
+    const bool normal = small1 >= q8_normal_floor<true>(y1) && small2 >= q8_normal_floor<false>(y2);
+    const auto stores = [&](auto careful, auto all_normal) {
       constexpr bool kCareful = decltype(careful)::value;
+      constexpr bool kNormal = decltype(all_normal)::value;
 #pragma omp simd
       for (int32_t j = 0; j < m; ++j) {
         const int32_t e = j0 + j;
         const uint32_t index = index_low + uint32_t(e);
-        if constexpr (kStates >= 1 && kQ8State) q1[e] = q8_encode<true>(ab[j], y1, random_bits_low(k1, index));
-        if constexpr (kStates >= 2 && kQ8State) q2[e] = q8_encode<false>(cb[j], y2, random_bits_low(k2, index));
+        if constexpr (kStates >= 1 && kQ8State) {
+          const uint32_t r = random_bits_low(k1, index);
+          q1[e] = kNormal ? q8_encode_normal<true>(ab[j], y1, r) : q8_encode<true>(ab[j], y1, r);
+        }
+        if constexpr (kStates >= 2 && kQ8State) {
+          const uint32_t r = random_bits_low(k2, index);
+          q2[e] = kNormal ? q8_encode_normal<false>(cb[j], y2, r) : q8_encode<false>(cb[j], y2, r);
+        }
         if constexpr (kStates >= 1 && kBf16State) {
           const uint32_t r = random_bits_low(k1, index);
           h1[e] = kCareful ? round_stochastic_bits(ab[j], r) : round_stochastic_finite(f32_bits(ab[j]), r);
@@ -421,8 +436,16 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
         }
       }
     };
-    if (nan) stores(std::true_type{});
-    else stores(std::false_type{});
+    const auto stores_of = [&](auto careful) {
+      if constexpr (kQ8State) {
+        if (normal) stores(careful, std::true_type{});
+        else stores(careful, std::false_type{});
+      } else {
+        stores(careful, std::false_type{});
+      }
+    };
+    if (nan) stores_of(std::true_type{});
+    else stores_of(std::false_type{});
     if constexpr (kQ8State && kStates >= 1) sc1[blk] = q8_scale(y1);
     if constexpr (kQ8State && kStates >= 2) sc2[blk] = q8_scale(y2);
   }

@@ -345,6 +345,23 @@ AF_HD uint8_t q8_encode(float x, int32_t block_exp, uint32_t r) {
   return uint8_t(kSigned ? (mag | ((u >> 24) & 0x80u)) : mag);
 }
 
+// The smallest q8_abs_bits whose code is normal (exponent field >= 1) at block exponent e.
+template <bool kSigned>
+AF_HD uint32_t q8_normal_floor(int32_t block_exp) {
+  return uint32_t(block_exp - Q8Format<kSigned>::kTop + 1) << 23;
+}
+
+// q8_encode for a value with q8_abs_bits(x) >= q8_normal_floor(block_exp), the same bits in a few operations
+// (a driver uses it for a block whose values are all that large): the code's exponent and mantissa fields are
+// the fp32 bits' top 12 after the stochastic carry into them, rebased to the block's exponent.
+template <bool kSigned>
+AF_HD uint8_t q8_encode_normal(float x, int32_t block_exp, uint32_t r) {
+  const uint32_t u = f32_bits(x);
+  uint32_t mag = ((q8_abs_bits(x) + (r & 0xFFFFFu)) >> 20) - (uint32_t(block_exp - Q8Format<kSigned>::kTop) << 3);
+  mag = mag < Q8Format<kSigned>::kMaxMag ? mag : Q8Format<kSigned>::kMaxMag;
+  return uint8_t(kSigned ? (mag | ((u >> 24) & 0x80u)) : mag);
+}
+
 // state_precision.q8_decode: a code -> its value at its block's exponent (exact: integer and power-of-two
 // arithmetic; never an fp32 subnormal).
 template <bool kSigned>
