@@ -206,6 +206,7 @@ def main(args, device: torch.device, stem: Optional[str], out: str) -> int:
     text = "\n".join(lines)
     print(text)
     base = os.path.join(out, stem)
+    os.makedirs(out, exist_ok=True)  # (the CSV's writer makes it too, but the text is written first)
     with open(base + ".txt", "w") as f:
         f.write(text + "\n")
     print(f"wrote {write_csv(base + '.csv', runs)}\nwrote {base}.txt")
