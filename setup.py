@@ -15,6 +15,8 @@ Objects are compiled by ninja when it is present (parallel and incremental), els
 Build switches (environment, read once here):
   AMPFUSED_SKIP_NATIVE_BUILD=1   build neither module (pure-Python install; the reference backend runs)
   AMPFUSED_SKIP_CUDA_BUILD=1     do not build ampfused._C_cuda even when nvcc is found
+  AMPFUSED_CPU_ISAS=default      build only the portable CPU kernels, not the AVX2 and AVX-512 ones (a quicker
+                                 build with the same results: the kernels' bits do not depend on the ISA)
   AMPFUSED_CUDA_ARCHS="80;90"    GPU architectures (A100, H100); archs the found nvcc lacks are skipped
   AMPFUSED_NVCC_THREADS=N        nvcc --threads (archs compiled in parallel inside one nvcc)
   MAX_JOBS=N                     parallel compile jobs (default: from cores and free memory)
@@ -40,6 +42,9 @@ CSRC = os.path.join(ROOT, "csrc")
 
 SKIP_NATIVE = os.environ.get("AMPFUSED_SKIP_NATIVE_BUILD", "0") == "1"
 SKIP_CUDA = os.environ.get("AMPFUSED_SKIP_CUDA_BUILD", "0") == "1"
+CPU_ISAS = os.environ.get("AMPFUSED_CPU_ISAS", "all")
+if CPU_ISAS not in ("all", "default"):
+    raise SystemExit(f"AMPFUSED_CPU_ISAS must be 'all' or 'default', got {CPU_ISAS!r}")
 CUDA_ARCHS = os.environ.get("AMPFUSED_CUDA_ARCHS", "80;90")
 NVCC_THREADS = os.environ.get("AMPFUSED_NVCC_THREADS")
 MAX_JOBS = os.environ.get("MAX_JOBS")
@@ -277,7 +282,7 @@ def native_extensions():
     omp = ["-fopenmp"] if accepts_flag(cxx, "-fopenmp") else []
     cpu_sources = ["csrc/cpu/module.cpp", "csrc/cpu/kernels_default.cpp"]
     per_source, isa_defines = {"module.cpp": identity}, []
-    if IS_X86:
+    if IS_X86 and CPU_ISAS == "all":
         cpu_sources += ["csrc/cpu/kernels_avx2.cpp", "csrc/cpu/kernels_avx512.cpp"]
         per_source = {"module.cpp": identity, "kernels_avx2.cpp": ["-mavx2"],
                       "kernels_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
