@@ -37,3 +37,19 @@ def snapshot(opt, params, extra=None) -> dict:
             out[key] = [torch.as_tensor(v).detach().clone() for v in vals]
     out.update(extra or {})
     return out
+
+
+def checkpoint_phase(model, opt, ckpt, phase: str, rank: int, first_steps) -> None:
+    """One side of a checkpoint round trip: ``save`` runs ``first_steps()`` then writes the model's weights and
+    the optimizer's state dict to ``ckpt`` (rank 0 writes); ``load`` reads both back into ``model`` and ``opt``."""
+    if phase == "save":
+        first_steps()
+        sd = {"optim": opt.state_dict(), "model": [p.detach().clone() for p in model.parameters()]}
+        if rank == 0:
+            torch.save(sd, ckpt)
+        return
+    sd = torch.load(ckpt, weights_only=False)
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), sd["model"]):
+            p.copy_(v)
+    opt.load_state_dict(sd["optim"])

@@ -172,22 +172,12 @@ def _resume_worker(rank, world, out, options, ckpt, phase):
     per_rank = 2 * ROWS // world
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
     scaler = ampfused.GradScaler("cpu", init_scale=2.0 ** 10)
-    if phase == "save":
-        _steps(model, opt, scaler, x, c, rows, range(2))
-        sd = {"optim": opt.state_dict(), "model": [p.detach().clone() for p in model.parameters()]}
-        if rank == 0:
-            torch.save(sd, ckpt)
-    else:
-        sd = torch.load(ckpt, weights_only=False)
-        with torch.no_grad():
-            for p, v in zip(model.parameters(), sd["model"]):
-                p.copy_(v)
-        opt.load_state_dict(sd["optim"])
-        if options.get("store_param_remainders"):  # a bad remainder is refused before anything changes
-            bad = opt.state_dict()
-            bad["state"][1]["master_remainder"] = bad["state"][1]["master_remainder"].float()
-            with pytest.raises(ValueError, match="'master_remainder' of parameter 1 must be an int16 tensor"):
-                opt.load_state_dict(bad)
+    D.checkpoint_phase(model, opt, ckpt, phase, rank, lambda: _steps(model, opt, scaler, x, c, rows, range(2)))
+    if phase == "load" and options.get("store_param_remainders"):  # a bad remainder is refused, nothing changed
+        bad = opt.state_dict()
+        bad["state"][1]["master_remainder"] = bad["state"][1]["master_remainder"].float()
+        with pytest.raises(ValueError, match="'master_remainder' of parameter 1 must be an int16 tensor"):
+            opt.load_state_dict(bad)
     _steps(model, opt, scaler, x, c, rows, range(2, 4))
     save(out, rank, _result(model, opt))
 

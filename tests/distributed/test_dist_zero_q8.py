@@ -14,6 +14,7 @@ import torch
 
 import ampfused
 from ampfused.ops.state_precision import QBLOCK, q8_blocks, q8_dequantize, q8_signed
+import dist_data as D
 from dist_harness import load, run_ranks, save
 from oracle import assert_bitwise
 
@@ -176,19 +177,8 @@ def _ckpt_worker(rank, world, out, options, ckpt, phase, transposed=False):
     per_rank = 2 * ROWS // world
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
     scaler = ampfused.GradScaler("cpu", init_scale=2.0 ** 10)
-    loaded = None
-    if phase == "save":
-        _steps(model, opt, scaler, x, c, rows, range(2))
-        sd = {"optim": opt.state_dict(), "model": [p.detach().clone() for p in model.parameters()]}
-        if rank == 0:
-            torch.save(sd, ckpt)
-    else:
-        sd = torch.load(ckpt, weights_only=False)
-        with torch.no_grad():
-            for p, v in zip(model.parameters(), sd["model"]):
-                p.copy_(v)
-        opt.load_state_dict(sd["optim"])
-        loaded = _clone(opt.state_dict())
+    D.checkpoint_phase(model, opt, ckpt, phase, rank, lambda: _steps(model, opt, scaler, x, c, rows, range(2)))
+    loaded = _clone(opt.state_dict()) if phase == "load" else None
     _steps(model, opt, scaler, x, c, rows, range(2, 4))
     save(out, rank, dict(_result(model, opt), loaded=loaded))
 
