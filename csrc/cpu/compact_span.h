@@ -1,0 +1,217 @@
+// The CPU compact-state step over one parameter's range (ampfused/ops/state_precision.py; math.h): the
+// per-span loop of compact_apply. Included by kernels_impl.h inside its namespaces (one copy per instruction
+// set), after the helpers it uses; not a header of its own.
+
+// The compact stores of a value u (fp32 bits) known not to be a NaN: the forms of math.h without their NaN
+// select, the same bits for every other input (inf included). round_stochastic_bits; from_f32<bf16_t>
+// (nearest even); weight_of_code(master_code_bits) (nearest, ties away from zero: |u| + 0x8000 stays below
+// the sign bit, so the carry lands in the magnitude).
+AF_HD uint16_t round_stochastic_finite(uint32_t u, uint32_t r) { return uint16_t((u + (r & 0xFFFFu)) >> 16); }
+AF_HD uint16_t bf16_nearest_finite(uint32_t u) { return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }
+AF_HD uint16_t weight_of_finite(uint32_t u) { return uint16_t((u + 0x8000u) >> 16); }
+
+// 8-bit codes in fewer vector operations than math.h's forms, with their bits (test_cpu_compact_blocks.py
+// holds them against the reference on every code and exponent).
+// q8_decode through normal fp32 values only (an fp32 subnormal operand costs a microcode assist on some x86
+// cores, dozens of times a multiply): a code whose exponent field is 0 is decoded as the normal value one
+// exponent up, less that exponent's power of two `hidden` (exact: both lie in one binade). base is
+// (E - top) << 23 at the block's exponent E.
+template <bool kSigned>
+AF_HD float q8_decode_cpu(uint32_t code, uint32_t base, float hidden) {
+  const uint32_t mag = kSigned ? (code & 0x7fu) : code;
+  const bool sub = mag < 8u;
+  const float v = f32_from_bits((mag << 20) + base + (sub ? (1u << 23) : 0u));
+  const float a = sub ? v - hidden : v;
+  return kSigned ? f32_from_bits(f32_bits(a) | ((code & 0x80u) << 24)) : a;
+}
+template <bool kSigned>
+AF_HD uint32_t q8_decode_base(int32_t block_exp) {
+  return uint32_t(block_exp - Q8Format<kSigned>::kTop) << 23;
+}
+template <bool kSigned>
+AF_HD float q8_decode_hidden(int32_t block_exp) {
+  return f32_from_bits(uint32_t(block_exp - Q8Format<kSigned>::kTop + 1) << 23);
+}
+// q8_encode_normal without q8_abs_bits's NaN clamp (offset is (E - top) << 3): a NaN's larger magnitude
+// saturates the code as inf's does, since a block holding one has the largest exponent (kQ8MaxExp), where
+// both are past kMaxMag.
+template <bool kSigned>
+AF_HD uint32_t q8_encode_normal_cpu(uint32_t u, uint32_t r, uint32_t offset) {
+  const uint32_t mag = (((u & 0x7fffffffu) + (r & 0xFFFFFu)) >> 20) - offset;
+  const uint32_t sat = mag < Q8Format<kSigned>::kMaxMag ? mag : Q8Format<kSigned>::kMaxMag;
+  return kSigned ? (sat | ((u >> 24) & 0x80u)) : sat;
+}
+
+// Elements per block of compact_span's passes: their fp32 values (3 KB) stay in L1 between the passes.
+constexpr int32_t kCompactBlock = 256;
+
+// Compact state (math.h): n elements of one parameter from its element lo, with the weight kept as kFmt says
+// (kMaster: an fp32 master buffer exists in the kMasterF32 format) and the moments stored as S (float, bf16
+// with stochastic rounding, or 8-bit codes with block scales); apply(g, w, s1, s2, consts) is the optimizer's
+// element update (a stateless lambda). Element j draws its random bits at index offset + lo + j of the flat
+// state buffers, whose high 32 bits are the same for the whole span (compact_range splits where they change):
+// its keys have that half folded in once and each element hashes only the low half, a 32-bit counter.
+// Each block of kCompactBlock elements runs in passes, each a loop that vectorises on 32-bit lanes:
+//  - 8-bit moments only: decode the block's codes to fp32 in L1 (a loop of byte loads is 64 lanes wide; in
+//    the update loop its values would take four registers each, too many);
+//  - the update: load, apply, fp32 results to buffers in L1 (the divisions and square root, long chains,
+//    overlap across many elements);
+//  - the stores: hash, round, pack to 16 or 8 bits. Without 8-bit moments, a block with no NaN among its
+//    results (told by one sum per element) stores through the NaN-free forms above, any other block through
+//    math.h's. With them, the weight is stored in the update loop instead (its hash fills the slots the
+//    divisions leave; measured faster with AVX-512, the same with AVX2), the block's new exponents come from
+//    an integer max of its new moments, and a block whose codes are all normal is encoded by
+//    q8_encode_normal_cpu, any other by q8_encode.
+template <typename G, typename P, int kFmt, bool kMaster, typename S, int kStates, typename Consts, typename Apply>
+AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& consts, int64_t lo, int32_t n,
+                        uint32_t index_high, Apply apply) {
+  const Consts k = consts;  // a local copy: stores to the buffers cannot alias it
+  constexpr bool kBf16State = std::is_same<S, bf16_t>::value;
+  constexpr bool kQ8State = std::is_same<S, uint8_t>::value;  // 8-bit moments: codes and block scales
+  constexpr bool kBf16Param = kFmt != kMasterF32;  // remainders and stochastic rounding: bf16 weights
+  constexpr bool kNearestBf16 = kFmt == kMasterF32 && std::is_same<P, bf16_t>::value;
+  static_assert(kCompactBlock == kQBlock, "a block of compact_span is a block of 8-bit codes");
+  const int64_t at = t.offset + lo;
+  const G* __restrict g = static_cast<const G*>(t.grad) + lo;
+  P* __restrict p = static_cast<P*>(t.param) + lo;
+  uint16_t* __restrict pw = static_cast<uint16_t*>(t.param) + lo;
+  float* __restrict master = b.master + at;
+  uint16_t* __restrict rem = reinterpret_cast<uint16_t*>(b.master) + at;
+  float* __restrict f1 = b.state1 + at;
+  float* __restrict f2 = b.state2 + at;
+  uint16_t* __restrict h1 = reinterpret_cast<uint16_t*>(b.state1) + at;
+  uint16_t* __restrict h2 = reinterpret_cast<uint16_t*>(b.state2) + at;
+  uint8_t* __restrict q1 = reinterpret_cast<uint8_t*>(b.state1) + at;
+  uint8_t* __restrict q2 = reinterpret_cast<uint8_t*>(b.state2) + at;
+  float* __restrict sc1 = b.state_scales;
+  float* __restrict sc2 = b.state_scales + b.scale_blocks;
+  const uint32_t kw = random_key_high(t.keys[0], index_high), k1 = random_key_high(t.keys[1], index_high),
+                 k2 = random_key_high(t.keys[2], index_high);
+  const uint32_t index_low = uint32_t(uint64_t(at));
+  // The weight's stores: careful, math.h's forms (any value); else the NaN-free ones.
+  const auto store_weight = [&](int32_t e, float w, auto careful) {
+    constexpr bool kCareful = decltype(careful)::value;
+    const uint32_t u = f32_bits(w);
+    if constexpr (kFmt == kMasterRemainder) {
+      const uint32_t code = kCareful ? master_code_bits(w) : u;
+      rem[e] = remainder_of_code(code);
+      pw[e] = kCareful ? weight_of_code(code) : weight_of_finite(u);
+    } else if constexpr (kFmt == kMasterNone) {
+      const uint32_t r = random_bits_low(kw, index_low + uint32_t(e));
+      pw[e] = kCareful ? round_stochastic_bits(w, r) : round_stochastic_finite(u, r);
+    } else if constexpr (kNearestBf16) {
+      pw[e] = kCareful ? from_f32<bf16_t>(w).bits : bf16_nearest_finite(u);
+    } else {
+      p[e] = from_f32<P>(w);
+    }
+  };
+  alignas(64) float wb[kCompactBlock], ab[kCompactBlock], cb[kCompactBlock];
+  for (int32_t j0 = 0; j0 < n; j0 += kCompactBlock) {
+    const int32_t m = std::min(kCompactBlock, n - j0);
+    // 8-bit moments: with the layout's offsets at multiples of kQBlock (and lo at one of kStepBlock, or where
+    // the index's high half changes), this block is one block of codes: its exponent read, then rewritten
+    const int64_t blk = (at + j0) / kQBlock;
+    if constexpr (kQ8State) {
+      const int32_t x1 = kStates >= 1 ? q8_exponent(sc1[blk]) : 0, x2 = kStates >= 2 ? q8_exponent(sc2[blk]) : 0;
+      const uint32_t base1 = q8_decode_base<true>(x1), base2 = q8_decode_base<false>(x2);
+      const float hidden1 = q8_decode_hidden<true>(x1), hidden2 = q8_decode_hidden<false>(x2);
+#pragma omp simd
+      for (int32_t j = 0; j < m; ++j) {
+        if constexpr (kStates >= 1) ab[j] = q8_decode_cpu<true>(q1[j0 + j], base1, hidden1);
+        if constexpr (kStates >= 2) cb[j] = q8_decode_cpu<false>(q2[j0 + j], base2, hidden2);
+      }
+    }
+    uint32_t nan = 0, big1 = 0, big2 = 0, small1 = 0xffffffffu, small2 = 0xffffffffu;
+#pragma omp simd reduction(| : nan) reduction(max : big1, big2) reduction(min : small1, small2)
+    for (int32_t j = 0; j < m; ++j) {
+      const int32_t e = j0 + j;
+      float w;
+      if constexpr (kFmt == kMasterRemainder) w = join_master_bits(pw[e], rem[e]);
+      else if constexpr (kBf16Param) w = f32_from_bits(uint32_t(pw[e]) << 16);
+      else if constexpr (kMaster) w = master[e];
+      else w = to_f32(p[e]);
+      float a = 0.0f, c = 0.0f;
+      if constexpr (kStates >= 1) a = kQ8State ? ab[j] : (kBf16State ? f32_from_bits(uint32_t(h1[e]) << 16) : f1[e]);
+      if constexpr (kStates >= 2) c = kQ8State ? cb[j] : (kBf16State ? f32_from_bits(uint32_t(h2[e]) << 16) : f2[e]);
+      apply(to_f32(g[e]), w, a, c, k);
+      if constexpr (kStates >= 1 && !kBf16State && !kQ8State) f1[e] = a;
+      if constexpr (kStates >= 2 && !kBf16State && !kQ8State) f2[e] = c;
+      if constexpr (kMaster) master[e] = w;
+      ab[j] = a;
+      cb[j] = c;
+      if constexpr (kQ8State) {
+        store_weight(e, w, std::true_type{});
+        // the extremes of |x| as bits (q8_abs_bits's NaN clamp is applied to them below: it is monotonic)
+        if constexpr (kStates >= 1) big1 = std::max(big1, abs_bits(a)), small1 = std::min(small1, abs_bits(a));
+        if constexpr (kStates >= 2) big2 = std::max(big2, abs_bits(c)), small2 = std::min(small2, abs_bits(c));
+      } else {
+        wb[j] = w;
+        const float sum = w + a + c;  // NaN when one of them is (or from inf - inf: then the careful stores)
+        nan |= sum != sum ? 1u : 0u;
+      }
+    }
+    if constexpr (kQ8State) {
+      big1 = std::min(big1, 0x7f800000u), big2 = std::min(big2, 0x7f800000u);
+      small1 = std::min(small1, 0x7f800000u), small2 = std::min(small2, 0x7f800000u);
+      const int32_t y1 = q8_block_exponent(big1), y2 = q8_block_exponent(big2);
+      const uint32_t off1 = uint32_t(y1 - Q8Format<true>::kTop) << 3;
+      const uint32_t off2 = uint32_t(y2 - Q8Format<false>::kTop) << 3;
+      const auto encode = [&](auto all_normal) {
+        constexpr bool kNormal = decltype(all_normal)::value;
+#pragma omp simd
+        for (int32_t j = 0; j < m; ++j) {
+          const uint32_t index = index_low + uint32_t(j0 + j);
+          if constexpr (kStates >= 1) {
+            const uint32_t r = random_bits_low(k1, index);
+            q1[j0 + j] = uint8_t(kNormal ? q8_encode_normal_cpu<true>(f32_bits(ab[j]), r, off1)
+                                         : q8_encode<true>(ab[j], y1, r));
+          }
+          if constexpr (kStates >= 2) {
+            const uint32_t r = random_bits_low(k2, index);
+            q2[j0 + j] = uint8_t(kNormal ? q8_encode_normal_cpu<false>(f32_bits(cb[j]), r, off2)
+                                         : q8_encode<false>(cb[j], y2, r));
+          }
+        }
+      };
+      if (small1 >= q8_normal_floor<true>(y1) && small2 >= q8_normal_floor<false>(y2)) encode(std::true_type{});
+      else encode(std::false_type{});
+      if constexpr (kStates >= 1) sc1[blk] = q8_scale(y1);
+      if constexpr (kStates >= 2) sc2[blk] = q8_scale(y2);
+    } else {
+      const auto stores = [&](auto careful) {
+        constexpr bool kCareful = decltype(careful)::value;
+#pragma omp simd
+        for (int32_t j = 0; j < m; ++j) {
+          const int32_t e = j0 + j;
+          const uint32_t index = index_low + uint32_t(e);
+          if constexpr (kStates >= 1 && kBf16State) {
+            const uint32_t r = random_bits_low(k1, index);
+            h1[e] = kCareful ? round_stochastic_bits(ab[j], r) : round_stochastic_finite(f32_bits(ab[j]), r);
+          }
+          if constexpr (kStates >= 2 && kBf16State) {
+            const uint32_t r = random_bits_low(k2, index);
+            h2[e] = kCareful ? round_stochastic_bits(cb[j], r) : round_stochastic_finite(f32_bits(cb[j]), r);
+          }
+          store_weight(e, wb[j], careful);
+        }
+      };
+      if (nan) stores(std::true_type{});
+      else stores(std::false_type{});
+    }
+  }
+}
+
+// Elements [lo, hi) of one parameter (at most kStepBlock of them), in spans whose flat indices (offset + i)
+// share their high 32 bits.
+template <typename G, typename P, int kFmt, bool kMaster, typename S, int kStates, typename Consts, typename Apply>
+void compact_range(const StepBufs& b, const StepTensor& t, const Consts& consts, int64_t lo, int64_t hi,
+                   Apply apply) {
+  static_assert(kStepBlock <= (int64_t(1) << 30), "a span's length is an int32");
+  while (lo < hi) {
+    const uint64_t first = uint64_t(t.offset + lo);
+    const int64_t end = std::min<int64_t>(hi, int64_t(((first >> 32) + 1) << 32) - t.offset);
+    compact_span<G, P, kFmt, kMaster, S, kStates>(b, t, consts, lo, int32_t(end - lo), uint32_t(first >> 32),
+                                                  apply);
+    lo = end;
+  }
+}
