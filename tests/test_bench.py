@@ -141,6 +141,34 @@ def test_the_committed_cpu_run_stays_above_its_roofline():
             assert float(r["median_ms"]) >= floor[int(r["numel"])], (panel, r["variant"], r["workload"], bw)
 
 
+def test_rounds_measure_the_variants_in_turn_and_pool_their_steps(monkeypatch):
+    """--rounds 3: the variants are timed A B A B A B, each row's median over the steps of its three rounds."""
+    from bench.step import runner
+    order, times = [], iter(range(1, 100))
+
+    def timed(self, step, refill, warmup, reps, max_seconds=float("inf")):
+        order.append(current[0])
+        ms = [float(next(times)) for _ in range(reps)]
+        return measure.Timing(ms), measure.Bandwidth([10.0], [10.0])
+
+    current = [None]
+    build = runner._measure_one
+
+    def measure_one(inst, v, *a, **k):
+        current[0] = v.name
+        return build(inst, v, *a, **k)
+
+    monkeypatch.setattr(measure.Yardstick, "time_steps", timed)
+    monkeypatch.setattr(runner, "_measure_one", measure_one)
+    variants = [TorchForeach(), TorchFused()]
+    opts = runner.Options(reps=2, warmup=0, rounds=3, yardstick=measure.Yardstick(CPU, 1 << 20, reps=1))
+    out = runner.run([_instance()], variants, {}, opts)
+    assert order == ["torch-foreach", "torch-fused"] * 3
+    # torch-foreach's steps took 1, 2, 5, 6, 9, 10 ms; torch-fused's 3, 4, 7, 8, 11, 12
+    assert [float(r["median_ms"]) for r in out.rows] == [5.5, 7.5]
+    assert out.notes == []
+
+
 def test_a_wrong_variant_stops_the_benchmark_loudly(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "ampfused_variants", lambda device, api, names=None: [_Wrong("wrong", clip=False)])
     assert cli.main(_argv(tmp_path, "torch-fused,wrong")) == 1

@@ -87,6 +87,9 @@ def parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=None, help="timed steps per measurement")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop timing a measurement after this long (at least 5 steps)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="measure the variants in turn this many times; each row pools its rounds' steps (on a "
+                        "shared machine whose speed drifts, every row then spans the run; default 1)")
     p.add_argument("--compile-budget", type=float, default=None,
                    help="seconds torch.compile may take over the whole run, after which torch-compile is "
                         "reported unavailable (default: cpu 180, cuda 1800)")
@@ -164,7 +167,8 @@ def extra_variants(device: torch.device, args) -> list:
     return out + [v for v in peers if args.peers or v.name in names]
 
 
-_SWEEP_ONLY = ("workloads", "modes", "peers", "full", "dtypes", "clip", "no_scaler", "variants", "compare", "copy_mb", "compile_budget")
+_SWEEP_ONLY = ("workloads", "modes", "peers", "full", "dtypes", "clip", "no_scaler", "variants", "compare", "copy_mb",
+               "compile_budget", "rounds")
 
 
 def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int:
@@ -185,7 +189,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
     opts = Options(warmup=args.warmup if args.warmup is not None else d["warmup"],
                    reps=args.reps or d["reps"], max_seconds=args.max_seconds or d["max_seconds"],
                    check_elements=args.check_elements, keep_going=args.keep_going,
-                   yardstick=measure.Yardstick(device, nbytes))
+                   yardstick=measure.Yardstick(device, nbytes), rounds=max(1, args.rounds or 1))
     instances = _plan(args, device)
     variants = select(torch_variants(args.compile_budget or d["compile_budget"],
                                      compile_only(device, args, [i.workload.name for i in instances]))
@@ -206,7 +210,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(instances) * len(variants), unit="run", dynamic_ncols=True, file=sys.stderr)
+        bar = tqdm(total=len(instances) * len(variants) * opts.rounds, unit="run", dynamic_ncols=True,
+                   file=sys.stderr)
     try:
         outcome = run(instances, variants, env, opts, progress=bar)
     except CorrectnessError as e:
@@ -225,6 +230,9 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
               + "; bf16/fp16 models keep fp32 master weights")
     notes = [recipe, f"bandwidth at the start of the run: copy_ {copy0:.1f} GB/s, read-modify-write {rmw0:.1f} "
                      "GB/s; each row is compared with samples taken right before and after its timed steps"]
+    if opts.rounds > 1:
+        notes.append(f"{opts.rounds} rounds: the variants measured in turn {opts.rounds} times, each row's median and "
+                     "percentiles over the steps of all its rounds")
     notes += outcome.notes + [
         f"run took {elapsed:.0f} s; 1-minute load average before it {load0} on {os.cpu_count()} CPUs (other "
         "processes make timings noisy; the run itself then adds about one per busy thread)"]

@@ -1,4 +1,5 @@
-"""The run loop: for each instance, the reference once, then each variant checked, timed and profiled."""
+"""The run loop: for each instance, the reference once, then each variant checked, timed and profiled; with
+``rounds`` > 1 the variants are measured in turn that many times and each row pools its rounds' steps."""
 from __future__ import annotations
 
 import gc
@@ -23,6 +24,10 @@ class Options:
     check_elements: int = MAX_ELEMENTS
     keep_going: bool = False  # after a correctness failure, go on with the other variants (exit non-zero)
     yardstick: Optional[measure.Yardstick] = None  # bandwidth measured with each variant's timing (rows' columns)
+    # Measurements of each variant, in turn with the others (A B C A B C ...): on a shared machine whose speed
+    # drifts over seconds, one measurement per variant puts each row in a different moment; pooling the steps
+    # of several rounds spreads every row over the run
+    rounds: int = 1
 
 
 @dataclass
@@ -100,32 +105,70 @@ def run(instances: List[Instance], variants: List[Variant], env: dict, opts: Opt
         params = init_params(inst)
         plan = make_plan(inst, opts.check_elements)
         expected = run_reference(inst, params, plan)
+        measured = {}  # variant name -> Measured, its rounds pooled
+        stopped = set()  # variants not measured again: unavailable or wrong
+        for k in range(opts.rounds):
+            for v in variants:
+                if v.name in stopped:
+                    continue
+                if progress is not None:
+                    progress.set_postfix_str(f"{label}: {v.name}" + (f" (round {k + 1})" if opts.rounds > 1 else ""))
+                try:
+                    m = _measure_one(inst, v, params, plan, expected, opts, say if k == 0 else None)
+                    measured[v.name] = measured[v.name].pooled(m) if v.name in measured else m
+                except Unavailable as e:
+                    if e.permanent:
+                        v.disabled = str(e)
+                    stopped.add(v.name)
+                    later = f" in round {k + 1}; its row pools the rounds before" if v.name in measured else ""
+                    say(f"{v.name} on {label}: unavailable{later}: {e}")
+                except CorrectnessError as e:
+                    stopped.add(v.name)
+                    failures.append(str(e))
+                    measured.pop(v.name, None)
+                    if progress is not None:
+                        progress.write(f"FAILED: {e}")
+                    if not opts.keep_going:
+                        raise
+                finally:
+                    _free(inst.device)
+                    if progress is not None:
+                        progress.update(1)
         for v in variants:
-            if progress is not None:
-                progress.set_postfix_str(f"{label}: {v.name}")
-            try:
-                _measure_one(inst, v, params, plan, expected, env, opts, rows, say)
-            except Unavailable as e:
-                if e.permanent:
-                    v.disabled = str(e)
-                say(f"{v.name} on {label}: unavailable: {e}")
-            except CorrectnessError as e:
-                failures.append(str(e))
-                if progress is not None:
-                    progress.write(f"FAILED: {e}")
-                if not opts.keep_going:
-                    raise
-            finally:
-                _free(inst.device)
-                if progress is not None:
-                    progress.update(1)
+            if v.name in measured:
+                rows.append(measured[v.name].row(env, inst, v))
         del params, plan, expected
         _free(inst.device)
     fill_speedups(rows)
     return Outcome(rows, notes, failures)
 
 
-def _measure_one(inst, v, params, plan, expected, env, opts, rows, say) -> None:
+@dataclass
+class Measured:
+    """One variant's measurement on one instance (or several rounds of it, pooled)."""
+    timing: measure.Timing
+    bandwidth: Optional[measure.Bandwidth]
+    prof: measure.StepProfile
+    persistent: int
+    state_bpp: Optional[float]
+
+    def pooled(self, other: "Measured") -> "Measured":
+        """Both rounds' steps and bandwidth samples; what a step holds and dispatches from the first."""
+        host = (self.timing.host_ms or []) + (other.timing.host_ms or [])
+        timing = measure.Timing(self.timing.times_ms + other.timing.times_ms, host or None)
+        bw = None if self.bandwidth is None else measure.Bandwidth(self.bandwidth.copy + other.bandwidth.copy,
+                                                                    self.bandwidth.rmw + other.bandwidth.rmw)
+        return Measured(timing, bw, self.prof, self.persistent, self.state_bpp)
+
+    def row(self, env: dict, inst: Instance, v: Variant) -> dict:
+        row = _row(env, inst, v, self.timing, self.prof, self.persistent, self.state_bpp)
+        if self.bandwidth is not None:
+            row.update(_bandwidth_columns(inst, v, self.timing, self.bandwidth))
+        return row
+
+
+def _measure_one(inst, v, params, plan, expected, opts, say) -> Measured:
+    """Checks, times and profiles variant ``v`` (``say``: where its notes go, None to drop them)."""
     if v.disabled:
         raise Unavailable(f"not run: {v.disabled}")
     cuda = inst.device.type == "cuda"
@@ -149,9 +192,6 @@ def _measure_one(inst, v, params, plan, expected, env, opts, rows, say) -> None:
                   else measure.storage_bytes(runner.tensors()))
     state_bpp = state_bytes_per_param(runner, inst.workload.numel)
     prof = measure.profile_step(runner.step, refill, inst.device, compiled=isinstance(v, TorchCompile))
-    row = _row(env, inst, v, timing, prof, persistent, state_bpp)
-    if bandwidth is not None:
-        row.update(_bandwidth_columns(inst, v, timing, bandwidth))
-    rows.append(row)
-    for n in runner.notes:
+    for n in runner.notes if say is not None else []:
         say(f"{v.name} on {inst.label()}: {n}")
+    return Measured(timing, bandwidth, prof, persistent, state_bpp)
