@@ -133,6 +133,10 @@ def test_cli_adds_modes_and_peers(tmp_path, capsys):
     assert "flashoptim-adamw on" in out and "unavailable" in out
     import csv
     rows = {r["variant"]: r for r in csv.DictReader(open(tmp_path / "t.csv"))}
+    # --modes adds every mode on the first fast backend to the variants named
+    fast = [b for b in ampfused_backends(torch.device("cpu")) if b != "reference"]
+    if fast:
+        assert {f"ampfused-{fast[0]}{m.suffix}" for m in MODES} <= set(rows)
     assert float(rows["ampfused-reference+rem"]["state_bytes_per_param"]) == pytest.approx(10, abs=0.2)
     assert float(rows["ampfused-reference+sr+bf16m"]["bytes_per_param"]) == 14
     assert float(rows["torch-foreach"]["state_bytes_per_param"]) == pytest.approx(12, abs=0.2)

@@ -191,10 +191,14 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
                    check_elements=args.check_elements, keep_going=args.keep_going,
                    yardstick=measure.Yardstick(device, nbytes), rounds=max(1, args.rounds or 1))
     instances = _plan(args, device)
+    # --modes and --peers add their variants to those --variants names (or to all of them)
+    extras = extra_variants(device, args)
+    named = set(args.variants or [])
     variants = select(torch_variants(args.compile_budget or d["compile_budget"],
                                      compile_only(device, args, [i.workload.name for i in instances]))
                       + ampfused_variants(device, args.ampfused_api, args.variants)
-                      + extra_variants(device, args), args.variants)
+                      + [v for v in extras if v.name in named], args.variants) \
+        + [v for v in extras if v.name not in named]
     env = envmod.describe(device)
     # rows carry no scaler column: a run without one gets its own file rather than overwrite the default's
     stem = args.name or envmod.device_stem(device) + ("-noscaler" if args.no_scaler else "")
