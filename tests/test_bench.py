@@ -152,14 +152,14 @@ def test_rounds_measure_the_variants_in_turn_and_pool_their_steps(monkeypatch):
         return measure.Timing(ms), measure.Bandwidth([10.0], [10.0])
 
     current = [None]
-    build = runner._measure_one
+    build = runner._checked_runner
 
-    def measure_one(inst, v, *a, **k):
+    def checked_runner(inst, v, *a, **k):
         current[0] = v.name
         return build(inst, v, *a, **k)
 
     monkeypatch.setattr(measure.Yardstick, "time_steps", timed)
-    monkeypatch.setattr(runner, "_measure_one", measure_one)
+    monkeypatch.setattr(runner, "_checked_runner", checked_runner)
     variants = [TorchForeach(), TorchFused()]
     opts = runner.Options(reps=2, warmup=0, rounds=3, yardstick=measure.Yardstick(CPU, 1 << 20, reps=1))
     out = runner.run([_instance()], variants, {}, opts)

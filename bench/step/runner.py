@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import statistics
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -114,8 +114,10 @@ def run(instances: List[Instance], variants: List[Variant], env: dict, opts: Opt
                 if progress is not None:
                     progress.set_postfix_str(f"{label}: {v.name}" + (f" (round {k + 1})" if opts.rounds > 1 else ""))
                 try:
-                    m = _measure_one(inst, v, params, plan, expected, opts, say if k == 0 else None)
-                    measured[v.name] = measured[v.name].pooled(m) if v.name in measured else m
+                    if v.name in measured:
+                        measured[v.name] = measured[v.name].pooled(_time_one(inst, v, params, plan, expected, opts))
+                    else:
+                        measured[v.name] = _measure_one(inst, v, params, plan, expected, opts, say)
                 except Unavailable as e:
                     if e.permanent:
                         v.disabled = str(e)
@@ -152,13 +154,14 @@ class Measured:
     persistent: int
     state_bpp: Optional[float]
 
-    def pooled(self, other: "Measured") -> "Measured":
-        """Both rounds' steps and bandwidth samples; what a step holds and dispatches from the first."""
-        host = (self.timing.host_ms or []) + (other.timing.host_ms or [])
-        timing = measure.Timing(self.timing.times_ms + other.timing.times_ms, host or None)
-        bw = None if self.bandwidth is None else measure.Bandwidth(self.bandwidth.copy + other.bandwidth.copy,
-                                                                    self.bandwidth.rmw + other.bandwidth.rmw)
-        return Measured(timing, bw, self.prof, self.persistent, self.state_bpp)
+    def pooled(self, more: Tuple[measure.Timing, Optional[measure.Bandwidth]]) -> "Measured":
+        """With another round's steps and bandwidth samples (what a step holds and dispatches: the first's)."""
+        timing, bandwidth = more
+        host = (self.timing.host_ms or []) + (timing.host_ms or [])
+        pooled = measure.Timing(self.timing.times_ms + timing.times_ms, host or None)
+        bw = None if self.bandwidth is None else measure.Bandwidth(self.bandwidth.copy + bandwidth.copy,
+                                                                    self.bandwidth.rmw + bandwidth.rmw)
+        return Measured(pooled, bw, self.prof, self.persistent, self.state_bpp)
 
     def row(self, env: dict, inst: Instance, v: Variant) -> dict:
         row = _row(env, inst, v, self.timing, self.prof, self.persistent, self.state_bpp)
@@ -167,31 +170,44 @@ class Measured:
         return row
 
 
-def _measure_one(inst, v, params, plan, expected, opts, say) -> Measured:
-    """Checks, times and profiles variant ``v`` (``say``: where its notes go, None to drop them)."""
+def _checked_runner(inst, v, params, plan, expected):
     if v.disabled:
         raise Unavailable(f"not run: {v.disabled}")
-    cuda = inst.device.type == "cuda"
-    baseline = torch.cuda.memory_allocated(inst.device) if cuda else 0
     runner = v.build(inst, params)
     checker = getattr(v, "check_runner", None) or check
     checker(runner, inst, plan, expected)  # raises before anything is timed
+    return runner
+
+
+def _timed(inst, runner, plan, opts) -> Tuple[measure.Timing, Optional[measure.Bandwidth]]:
     grads = plan.timing_grads
 
     def refill():
         runner.set_grads(grads)
 
-    bandwidth = None
     if opts.yardstick is not None:
-        timing, bandwidth = opts.yardstick.time_steps(runner.step, refill, opts.warmup, opts.reps, opts.max_seconds)
-    else:
-        timing = measure.time_steps(runner.step, refill, inst.device, opts.warmup, opts.reps, opts.max_seconds)
+        return opts.yardstick.time_steps(runner.step, refill, opts.warmup, opts.reps, opts.max_seconds)
+    return measure.time_steps(runner.step, refill, inst.device, opts.warmup, opts.reps, opts.max_seconds), None
+
+
+def _time_one(inst, v, params, plan, expected, opts) -> Tuple[measure.Timing, Optional[measure.Bandwidth]]:
+    """A later round of variant ``v``: built and checked again, then timed."""
+    return _timed(inst, _checked_runner(inst, v, params, plan, expected), plan, opts)
+
+
+def _measure_one(inst, v, params, plan, expected, opts, say) -> Measured:
+    """Checks, times and profiles variant ``v``; its notes go to ``say``."""
+    cuda = inst.device.type == "cuda"
+    baseline = torch.cuda.memory_allocated(inst.device) if cuda else 0
+    runner = _checked_runner(inst, v, params, plan, expected)
+    timing, bandwidth = _timed(inst, runner, plan, opts)
     # what the variant holds between steps: on CUDA everything it allocated (compiled code's buffers too),
     # elsewhere the storages behind its tensors
     persistent = (torch.cuda.memory_allocated(inst.device) - baseline if cuda
                   else measure.storage_bytes(runner.tensors()))
     state_bpp = state_bytes_per_param(runner, inst.workload.numel)
-    prof = measure.profile_step(runner.step, refill, inst.device, compiled=isinstance(v, TorchCompile))
-    for n in runner.notes if say is not None else []:
+    prof = measure.profile_step(runner.step, lambda: runner.set_grads(plan.timing_grads), inst.device,
+                                compiled=isinstance(v, TorchCompile))
+    for n in runner.notes:
         say(f"{v.name} on {inst.label()}: {n}")
     return Measured(timing, bandwidth, prof, persistent, state_bpp)
