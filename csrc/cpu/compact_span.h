@@ -10,8 +10,8 @@ AF_HD uint16_t round_stochastic_finite(uint32_t u, uint32_t r) { return uint16_t
 AF_HD uint16_t bf16_nearest_finite(uint32_t u) { return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }
 AF_HD uint16_t weight_of_finite(uint32_t u) { return uint16_t((u + 0x8000u) >> 16); }
 
-// 8-bit codes in fewer vector operations than math.h's forms, with their bits (test_cpu_compact_blocks.py
-// holds them against the reference on every code and exponent).
+// 8-bit codes in fewer vector operations than math.h's forms, with their bits (tests/test_cpu_compact_blocks.py
+// decodes every code at every block exponent against the reference; the ops tests hold the steps' codes).
 // q8_decode through normal fp32 values only (an fp32 subnormal operand costs a microcode assist on some x86
 // cores, dozens of times a multiply): a code whose exponent field is 0 is decoded as the normal value one
 // exponent up, less that exponent's power of two `hidden` (exact: both lie in one binade). base is
