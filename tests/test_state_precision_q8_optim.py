@@ -425,19 +425,83 @@ def test_the_format_comparison_script_measures_what_the_doc_says():
     assert linear[2] > 10 * max(ours[2], 1e-4) and linear[3] > 100 * ours[3]
 
 
-def test_fsdp2_sharded_parameters_refuse_8bit_moments():
+def _as_exponents(sd):
+    """``sd`` with every 8-bit moment's ``<name>_scale`` given as FSDP2's state dicts give it: ``<name>_exponent``,
+    each element's block exponent (uint8, the codes' shape and strides)."""
+    out = {"param_groups": sd["param_groups"], "state": {}}
+    for k, entry in sd["state"].items():
+        entry = dict(entry)
+        for key in [key for key in entry if key.endswith("_scale")]:
+            codes, scales = entry[key[:-6]], entry.pop(key)
+            field = ((scales.view(torch.int32).to(torch.int64) >> 23) & 0xFF).to(U8)
+            x = torch.empty_like(codes)
+            memory_view(x).copy_(field.repeat_interleave(sp.QBLOCK)[:codes.numel()])
+            entry[f"{key[:-6]}_exponent"] = x
+        out["state"][k] = entry
+    return out
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_8bit_moments_load_from_per_element_exponents(kind):
+    """FSDP2's form of the block scales (each element's block exponent, which reshards with the parameter): where
+    every block has one exponent, codes and scales load bit for bit and the run continues bitwise; elsewhere the
+    values are encoded to nearest in this optimizer's blocks; torch_state_dict decodes both forms alike."""
+    ps, opt = _make(kind, "reference" if "cpu" not in BACKENDS else "cpu", "no-master")
+    for k in range(3):
+        _feed([(ps, opt)], k)
+    sd = {"param_groups": opt.state_dict()["param_groups"],  # (state_dict's tensors are views of live buffers)
+          "state": {k: {key: v.clone() for key, v in e.items()} for k, e in opt.state_dict()["state"].items()}}
+    given = _as_exponents(sd)
+    assert not any(key.endswith("_scale") for e in given["state"].values() for key in e)
+    ps2, opt2 = _make(kind, "reference" if "cpu" not in BACKENDS else "cpu", "no-master")
+    for a, b in zip(ps2, ps):
+        a.data.copy_(b.detach())
+    opt2.load_state_dict(given)
+    for i, (a, b) in enumerate(zip(_everything(ps2, opt2), _everything(ps, opt))):
+        assert_bitwise(f"{kind}: tensor {i} loaded", a, b)
+    _feed([(ps, opt), (ps2, opt2)], 3)
+    for i, (a, b) in enumerate(zip(_everything(ps2, opt2), _everything(ps, opt))):
+        assert_bitwise(f"{kind}: tensor {i} a step after", a, b)
+    # decoded alike
+    t1, t2 = torch_state_dict(sd), torch_state_dict(given)
+    for k in t1["state"]:
+        assert set(t1["state"][k]) == set(t2["state"][k])
+        for key, v in t1["state"][k].items():
+            if isinstance(v, torch.Tensor):
+                assert_bitwise(f"{kind}: {key} decoded", t2["state"][k][key], v)
+    # one block of the (300,) parameter with two exponents: its codes re-encoded to nearest from their values
+    key = "momentum_buffer" if kind == "sgd" else "exp_avg"
+    entry = given["state"][1]
+    x = entry[f"{key}_exponent"]
+    memory_view(x)[:10] = torch.clamp(memory_view(x)[:10].to(torch.int64) + 1, max=sp.Q8_MAX_EXP).to(U8)
+    values = sp.q8_decode(memory_view(entry[key]), memory_view(x).to(torch.int64), True)
+    opt2.load_state_dict(given)
+    seg = opt2._segments[0]
+    codes, scales = sp.q8_quantize(values, True)
+    assert_bitwise("re-encoded codes", memory_view(seg.view(seg.states[key], 1)), codes)
+    assert_bitwise("re-encoded scales", seg.scale_view(key, 1), scales)
+    with pytest.raises(ValueError, match="_exponent' of parameter 1 must hold 0 or block exponents"):
+        memory_view(x)[0] = 7
+        opt2.load_state_dict(given)
+
+
+def test_zero1_loads_per_element_exponents_bit_for_bit():
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or dist.is_initialized():
         pytest.skip("needs torch.distributed and no process group of this process")
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
     dist.init_process_group("gloo", store=dist.HashStore(), world_size=1, rank=0)
     try:
-        mesh = init_device_mesh("cpu", (1,))
-        p = torch.nn.Parameter(DTensor.from_local(torch.randn(300).to(BF16), mesh, [Shard(0)]))
-        opt = ampfused.FusedAdamW([p], **Q8_ADAM)
-        p.grad = DTensor.from_local(torch.randn(300).to(BF16), mesh, [Shard(0)])
-        with pytest.raises(ValueError, match=r"8-bit moments \(torch.uint8\) are not supported for FSDP2-sharded"):
-            opt.step()
+        ps, opt = _make("adamw", "reference" if "cpu" not in BACKENDS else "cpu", "no-master")
+        for k in range(3):
+            _feed([(ps, opt)], k)
+        sd = {"param_groups": opt.state_dict()["param_groups"],
+              "state": {k: {key: v.clone() for key, v in e.items()} for k, e in opt.state_dict()["state"].items()}}
+        z = ampfused.ShardedFusedAdamW([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-2,
+                                       weight_decay=0.1, seed=7, bf16_stochastic_round=True, **Q8_ADAM)
+        z.load_state_dict(_as_exponents(sd))
+        out = z.state_dict()["state"]
+        for k, e in sd["state"].items():
+            for key, v in e.items():
+                assert_bitwise(f"ZeRO-1 state[{k}][{key}]", out[k][key], v)
     finally:
         dist.destroy_process_group()

@@ -23,7 +23,7 @@ from torch import Tensor
 from ..ops import memory_view
 from ..ops import state_precision as sp
 from ..optim._precision import remainders_from
-from ..optim._state import _codes_values, _packed_groups, checked_entry, checked_groups
+from ..optim._state import _codes_values, _packed_groups, _saved_scales, checked_entry, checked_groups
 from . import _comm as C
 from ._layout import master_key, state_dtypes
 
@@ -118,9 +118,11 @@ def import_sharded(opt, state_dict: dict) -> None:
         if (id(p), key) not in sources:
             v = e[key]
             coded = v.dtype == torch.uint8
-            if q8 and coded and (v.stride() == p.stride() or v.is_contiguous() and p.is_contiguous()):
+            # (block scales, or FSDP2's per-element exponents where each block has one; else None)
+            saved = _saved_scales(key, e, v.numel()) if q8 and coded else None
+            if saved is not None and (v.stride() == p.stride() or v.is_contiguous() and p.is_contiguous()):
                 codes = memory_view(v) if not v.is_contiguous() else v.reshape(-1)
-                sources[id(p), key] = codes.to(p.device), e[f"{key}_scale"].to(p.device)
+                sources[id(p), key] = codes.to(p.device), saved.to(p.device)
             else:
                 values = in_memory_order(_codes_values(key, e) if coded else v, p)
                 sources[id(p), key] = sp.q8_quantize(values.float(), sp.q8_signed(key)) if q8 else (values, None)

@@ -81,9 +81,6 @@ class Segment:
         use_master = use_master and self.master_format != sp.MASTER_NONE
         moments = self.precision.moments if (use_master or self.dtype in (torch.float32, torch.bfloat16)) \
             else torch.float32
-        if moments == torch.uint8 and self.sharded:
-            raise ValueError("8-bit moments (torch.uint8) are not supported for FSDP2-sharded (DTensor) parameters: "
-                             "their block scales have no placement like the parameters'; use torch.bfloat16 moments")
         # 8-bit moments: parameters start at multiples of QBLOCK, so each block of codes is one parameter's
         self.offsets, self.total = state_layout([p.numel() for p in tensors],
                                                 sp.QBLOCK if moments == torch.uint8 else STATE_ALIGN)
@@ -165,7 +162,10 @@ class Segment:
 
     def state_view(self, flat: Tensor, i: int) -> Tensor:
         """:meth:`view`, as a DTensor placed like parameter ``i`` when that is one."""
-        v = self.view(flat, i)
+        return self._placed(self.view(flat, i), i)
+
+    def _placed(self, v: Tensor, i: int) -> Tensor:
+        """``v`` (shaped like parameter ``i``'s local tensor) as a DTensor placed like it when that is one."""
         if not self.sharded:
             return v
         p = self.params[i]
@@ -181,6 +181,16 @@ class Segment:
         """Parameter ``i``'s block scales of moment ``name`` (a view of ``scales``, the segment's by default)."""
         scales = self.scales if scales is None else scales
         return scales[list(self.states).index(name), self.blocks(i)]
+
+    def exponents(self, name: str, i: int) -> Tensor:
+        """Parameter ``i``'s 8-bit moment ``name``: each element's block exponent (the exponent field of its block's
+        scale; 0 for a fresh block), uint8, shaped and strided like the parameter and placed like it (a DTensor
+        for FSDP2): the form of the block scales that reshards with the parameter. A new tensor, not a view."""
+        field = (self.scale_view(name, i).view(torch.int32) >> 23) & 0xFF
+        _, _, shape, stride = self.layouts[i]
+        n = math.prod(shape)
+        flat = field.to(torch.uint8).repeat_interleave(sp.QBLOCK)[:n].contiguous()
+        return self._placed(flat.as_strided(shape, stride), i)
 
     def state_views(self, i: int) -> Dict[str, Tensor]:
         """Parameter ``i``'s moments as the state dict shows them: views shaped like the parameter, and for 8-bit

@@ -8,7 +8,7 @@ only when all of it fits: a state dict that does not fit leaves the optimizer ex
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -80,6 +80,11 @@ def export_state_dict(opt) -> dict:
         for i, p in enumerate(seg.params):
             if seg.has_state[i]:
                 st = seg.state_views(i)  # (8-bit moments: codes and their block scales)
+                if seg.sharded and getattr(seg, "scales", None) is not None:
+                    # FSDP2: the scales as per-element exponents placed like the parameter, so DCP reshards them
+                    for name in seg.states:
+                        del st[f"{name}_scale"]
+                        st[f"{name}_exponent"] = seg.exponents(name, i)
                 if seg.master is not None:
                     st[master_key(seg)] = seg.state_view(seg.master, i)
                 entry = opt._export_param_state(st, steps[i], group)
@@ -198,12 +203,27 @@ def checked_entry(opt, saved_state: dict, sid, p: Tensor):
 def _check_codes(key: str, e: dict, p: Tensor, where: str) -> None:
     """8-bit moment codes ``e[key]``: in the parameter's memory order (its strides, or contiguous), with their
     block scales ``e[key + '_scale']`` (fp32, one per block of QBLOCK of the parameter's elements, each zero or
-    a power of two in the format's range)."""
-    v, p = local(e[key]), local(p)
-    if v.stride() != p.stride() and not v.is_contiguous():
+    a power of two in the format's range), or (FSDP2's form) each element's block exponent
+    ``e[key + '_exponent']`` (uint8 with the codes' shape, strides and placement; 0 or in the format's range)."""
+    v, pl = local(e[key]), local(p)
+    if v.stride() != pl.stride() and not v.is_contiguous():
         raise ValueError(f"loaded state '{key}' of {where} holds 8-bit codes, which must keep the parameter's "
-                         f"strides {p.stride()} or be contiguous (their blocks follow memory order), got strides "
+                         f"strides {pl.stride()} or be contiguous (their blocks follow memory order), got strides "
                          f"{v.stride()}")
+    xkey = f"{key}_exponent"
+    if xkey in e:
+        _check_value(xkey, e[xkey], p, where, codes=True)
+        x = local(e[xkey])
+        if x.dtype != torch.uint8 or x.stride() != v.stride():
+            raise ValueError(f"loaded state '{xkey}' of {where} must be uint8 block exponents with the codes' strides "
+                             f"{v.stride()}, got {x.dtype} with strides {x.stride()}")
+        f = x.detach().to(torch.int64)
+        ok = (f == 0) | ((f >= sp.Q8_MIN_EXP) & (f <= sp.Q8_MAX_EXP))
+        if not bool(ok.all()):
+            raise ValueError(f"loaded state '{xkey}' of {where} must hold 0 or block exponents in [{sp.Q8_MIN_EXP}, "
+                             f"{sp.Q8_MAX_EXP}], got {int(f[~ok][0])}")
+        return
+    p = pl
     skey = f"{key}_scale"
     s = e.get(skey)
     if not isinstance(s, Tensor):
@@ -223,12 +243,40 @@ def _check_codes(key: str, e: dict, p: Tensor, where: str) -> None:
                          f"[{sp.Q8_MIN_EXP - 127}, {sp.Q8_MAX_EXP - 127}] (block scales of 8-bit moments), got {bad}")
 
 
+def _in_memory_order(v: Tensor) -> Tensor:
+    return memory_view(v) if not v.is_contiguous() else v.reshape(-1)
+
+
+def _block_fields(key: str, e: dict) -> Optional[Tensor]:
+    """Loaded per-element block exponents ``e[key + '_exponent']`` in memory order (int64), when given so."""
+    x = e.get(f"{key}_exponent")
+    return None if x is None else _in_memory_order(local(x)).to(torch.int64)
+
+
 def _codes_values(key: str, e: dict) -> Tensor:
     """The fp32 values of loaded 8-bit codes ``e[key]`` (checked by :func:`_check_codes`), shaped like them."""
     v = local(e[key])
-    flat = memory_view(v) if not v.is_contiguous() else v.reshape(-1)
-    values = sp.q8_dequantize(flat, e[f"{key}_scale"].to(v.device), sp.q8_signed(key))
+    flat = _in_memory_order(v)
+    fields = _block_fields(key, e)
+    if fields is not None:  # each element with its own block's exponent
+        values = sp.q8_decode(flat, torch.clamp(fields.to(v.device), sp.Q8_MIN_EXP, sp.Q8_MAX_EXP),
+                              sp.q8_signed(key))
+    else:
+        values = sp.q8_dequantize(flat, e[f"{key}_scale"].to(v.device), sp.q8_signed(key))
     return values.as_strided(v.shape, v.stride()) if not v.is_contiguous() else values.view(v.shape)
+
+
+def _saved_scales(key: str, e: dict, n: int) -> Optional[Tensor]:
+    """The block scales of loaded codes of ``n`` elements: ``e[key + '_scale']``, or from per-element exponents
+    when every block of QBLOCK (from the first element, in memory order) has one exponent; else None (the
+    blocks the codes were encoded in are not this layout's: their values are re-encoded)."""
+    fields = _block_fields(key, e)
+    if fields is None:
+        return e[f"{key}_scale"]
+    first = fields[::sp.QBLOCK]
+    if not bool((fields == first.repeat_interleave(sp.QBLOCK)[:n]).all()):
+        return None
+    return (first << 23).to(torch.int32).view(torch.float32)
 
 
 def _load_moment(seg, i: int, key: str, e: dict, p: Tensor, states: dict, scales) -> None:
@@ -237,10 +285,11 @@ def _load_moment(seg, i: int, key: str, e: dict, p: Tensor, states: dict, scales
     moments encoded to nearest, bf16 rounded to nearest even)."""
     v = local(e[key])
     mine = seg.view(states[key], i)
-    if v.dtype == torch.uint8 and mine.dtype == torch.uint8 and (v.stride() == mine.stride() or v.is_contiguous()
-                                                                  and mine.is_contiguous()):
-        memory_view(mine).copy_(memory_view(v) if not v.is_contiguous() else v.reshape(-1))
-        seg.scale_view(key, i, scales).copy_(e[f"{key}_scale"])
+    saved = _saved_scales(key, e, v.numel()) if v.dtype == torch.uint8 else None
+    if saved is not None and mine.dtype == torch.uint8 and (v.stride() == mine.stride() or v.is_contiguous()
+                                                             and mine.is_contiguous()):
+        memory_view(mine).copy_(_in_memory_order(v))
+        seg.scale_view(key, i, scales).copy_(saved)
         return
     values = _codes_values(key, e) if v.dtype == torch.uint8 else v
     seg.set_moment(key, i, values.reshape(p.shape), states, scales)
@@ -304,17 +353,18 @@ def import_state_dict(opt, state_dict: dict) -> None:
 
 def torch_state_dict(state_dict: dict) -> dict:
     """``state_dict`` (a fused optimizer's, any state precision) for ``torch.optim``'s optimizers: 8-bit moments
-    decoded exactly to fp32 (:func:`ampfused.ops.state_precision.q8_dequantize`) and their ``<name>_scale`` keys
-    dropped. Everything else is kept as it is (the same tensors): torch casts bf16 moments to each parameter's
-    dtype on load, and carries ``master_param`` / ``master_remainder`` along without using them."""
+    decoded exactly to fp32 (:func:`ampfused.ops.state_precision.q8_dequantize`) and their ``<name>_scale`` (or
+    FSDP2's ``<name>_exponent``) keys dropped. Everything else is kept as it is (the same tensors): torch casts
+    bf16 moments to each parameter's dtype on load, and carries ``master_param`` / ``master_remainder`` along
+    without using them."""
     state = {}
     for k, entry in state_dict["state"].items():
         if isinstance(entry, dict):
             coded = [key for key, v in entry.items() if isinstance(v, Tensor) and v.dtype == torch.uint8
-                     and isinstance(entry.get(f"{key}_scale"), Tensor)]
+                     and any(isinstance(entry.get(f"{key}{s}"), Tensor) for s in ("_scale", "_exponent"))]
             decoded = {key: _codes_values(key, entry) for key in coded}
-            entry = {key: decoded.get(key, v) for key, v in entry.items()
-                     if not (key.endswith("_scale") and key[:-6] in coded)}
+            drop = {f"{key}{s}" for key in coded for s in ("_scale", "_exponent")}
+            entry = {key: decoded.get(key, v) for key, v in entry.items() if key not in drop}
         state[k] = entry
     out = dict(state_dict)
     out["state"] = state

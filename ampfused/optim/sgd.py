@@ -64,7 +64,7 @@ class SgdMath:
     def _export_param_state(self, st: dict, step: float, group: Optional[dict] = None) -> dict:
         groups = [group] if group is not None else self.param_groups
         has_momentum = any(g["momentum"] != 0 for g in groups)
-        out = {k: st[k] for k in ("momentum_buffer", "momentum_buffer_scale") if k in st} \
+        out = {k: st[k] for k in ("momentum_buffer", "momentum_buffer_scale", "momentum_buffer_exponent") if k in st} \
             if step > 0 and has_momentum else {}
         for key in ("master_param", "master_remainder"):
             if key in st:
