@@ -21,10 +21,6 @@ U8 = torch.uint8
 OPTIONS = dict(bf16_stochastic_round=True, exp_avg_dtype=U8, exp_avg_sq_dtype=U8)
 
 
-def _gathered(t):
-    return t.to(torch.int32).full_tensor().to(U8) if t.dtype == U8 else C._full(t)  # gloo gathers no uint8
-
-
 def _fsdp_worker(rank, world, out):
     model = D.linear_model()
     fully_shard(model)
@@ -36,7 +32,7 @@ def _fsdp_worker(rank, world, out):
     sd = opt.state_dict()["state"]
     save(out, rank, {"params": [C._full(p.detach()).clone() for p in params], "skipped": skipped,
                      "keys": sorted(sd[0]),
-                     "state": {k: [_gathered(sd[i][k]).clone() for i in range(len(params))]
+                     "state": {k: [C._full(sd[i][k]).clone() for i in range(len(params))]
                                for k in sd[0] if k != "step"}})
 
 
@@ -75,7 +71,7 @@ def _dcp_worker(rank, world, out, ckpt, phase):
     params = list(model.parameters())
     sd = opt.state_dict()["state"]
     save(out, rank, {"params": [C._full(p.detach()).clone() for p in params],
-                     "codes": [_gathered(sd[i]["exp_avg_sq"]).clone() for i in range(len(params))]})
+                     "codes": [C._full(sd[i]["exp_avg_sq"]).clone() for i in range(len(params))]})
 
 
 def _uninterrupted(rank, world, out):
@@ -88,7 +84,7 @@ def _uninterrupted(rank, world, out):
     sd = opt.state_dict()["state"]
     params = list(model.parameters())
     save(out, rank, {"params": [C._full(p.detach()).clone() for p in params],
-                     "codes": [_gathered(sd[i]["exp_avg_sq"]).clone() for i in range(len(params))]})
+                     "codes": [C._full(sd[i]["exp_avg_sq"]).clone() for i in range(len(params))]})
 
 
 def test_dcp_reshards_8bit_moments(tmp_path):
