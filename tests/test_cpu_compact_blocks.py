@@ -1,7 +1,7 @@
 """The CPU backend's compact-state step runs each parameter in blocks of 256 elements (csrc/cpu/compact_span.h):
 a block whose new values hold no NaN stores through NaN-free forms of the roundings, any other through the
 general ones; with 8-bit moments a block is one block of codes, decoded and encoded by forms of their own
-(q8_decode_cpu, q8_encode_normal_cpu). Here NaN and inf are planted in a few blocks of the weights and the
+(q8_decode_cpu; math.h's q8_encode_normal). Here NaN and inf are planted in a few blocks of the weights and the
 moments, next to blocks without them, on sizes around the block's length: the CPU's bits must still be the
 reference's (SGD without clipping, where the backends agree bit for bit), NaNs included, except the NaNs of the
 bf16 weights rounded to nearest from an fp32 master, where the CPU keeps the NaN's sign and top payload bits

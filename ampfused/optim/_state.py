@@ -223,13 +223,12 @@ def _check_codes(key: str, e: dict, p: Tensor, where: str) -> None:
             raise ValueError(f"loaded state '{xkey}' of {where} must hold 0 or block exponents in [{sp.Q8_MIN_EXP}, "
                              f"{sp.Q8_MAX_EXP}], got {int(f[~ok][0])}")
         return
-    p = pl
     skey = f"{key}_scale"
     s = e.get(skey)
     if not isinstance(s, Tensor):
         raise ValueError(f"loaded state '{key}' of {where} holds 8-bit codes (uint8) and needs their block scales "
                          f"'{skey}' (a float32 tensor), got {type(s).__name__}")
-    blocks = sp.q8_blocks(p.numel())
+    blocks = sp.q8_blocks(pl.numel())
     if s.dtype != torch.float32 or s.is_meta or s.layout != torch.strided or s.dim() != 1 or s.numel() != blocks:
         raise ValueError(f"loaded state '{skey}' of {where} must be a float32 tensor of shape ({blocks},) (one scale "
                          f"per block of {sp.QBLOCK} of the parameter's elements), got {s.dtype} of shape "

@@ -10,12 +10,11 @@ AF_HD uint16_t round_stochastic_finite(uint32_t u, uint32_t r) { return uint16_t
 AF_HD uint16_t bf16_nearest_finite(uint32_t u) { return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }
 AF_HD uint16_t weight_of_finite(uint32_t u) { return uint16_t((u + 0x8000u) >> 16); }
 
-// 8-bit codes in fewer vector operations than math.h's forms, with their bits (tests/test_cpu_compact_blocks.py
-// decodes every code at every block exponent against the reference; the ops tests hold the steps' codes).
-// q8_decode through normal fp32 values only (an fp32 subnormal operand costs a microcode assist on some x86
-// cores, dozens of times a multiply): a code whose exponent field is 0 is decoded as the normal value one
-// exponent up, less that exponent's power of two `hidden` (exact: both lie in one binade). base is
-// (E - top) << 23 at the block's exponent E.
+// q8_decode's bits in fewer vector operations (tests/test_cpu_compact_blocks.py decodes every code at every
+// block exponent against the reference), through normal fp32 values only (an fp32 subnormal operand costs a
+// microcode assist on some x86 cores, dozens of times a multiply): a code whose exponent field is 0 is decoded
+// as the normal value one exponent up, less that exponent's power of two `hidden` (exact: both lie in one
+// binade). base is (E - top) << 23 at the block's exponent E.
 template <bool kSigned>
 AF_HD float q8_decode_cpu(uint32_t code, uint32_t base, float hidden) {
   const uint32_t mag = kSigned ? (code & 0x7fu) : code;
@@ -31,15 +30,6 @@ AF_HD uint32_t q8_decode_base(int32_t block_exp) {
 template <bool kSigned>
 AF_HD float q8_decode_hidden(int32_t block_exp) {
   return f32_from_bits(uint32_t(block_exp - Q8Format<kSigned>::kTop + 1) << 23);
-}
-// q8_encode_normal without q8_abs_bits's NaN clamp (offset is (E - top) << 3): a NaN's larger magnitude
-// saturates the code as inf's does, since a block holding one has the largest exponent (kQ8MaxExp), where
-// both are past kMaxMag.
-template <bool kSigned>
-AF_HD uint32_t q8_encode_normal_cpu(uint32_t u, uint32_t r, uint32_t offset) {
-  const uint32_t mag = (((u & 0x7fffffffu) + (r & 0xFFFFFu)) >> 20) - offset;
-  const uint32_t sat = mag < Q8Format<kSigned>::kMaxMag ? mag : Q8Format<kSigned>::kMaxMag;
-  return kSigned ? (sat | ((u >> 24) & 0x80u)) : sat;
 }
 
 // Elements per block of compact_span's passes: their fp32 values (3 KB) stay in L1 between the passes.
@@ -61,7 +51,7 @@ constexpr int32_t kCompactBlock = 256;
 //    math.h's. With them, the weight is stored in the update loop instead (its hash fills the slots the
 //    divisions leave; measured faster with AVX-512, the same with AVX2), the block's new exponents come from
 //    an integer max of its new moments, and a block whose codes are all normal is encoded by
-//    q8_encode_normal_cpu, any other by q8_encode.
+//    q8_encode_normal, any other by q8_encode.
 template <typename G, typename P, int kFmt, bool kMaster, typename S, int kStates, typename Consts, typename Apply>
 AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& consts, int64_t lo, int32_t n,
                         uint32_t index_high, Apply apply) {
@@ -154,8 +144,7 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
       big1 = std::min(big1, 0x7f800000u), big2 = std::min(big2, 0x7f800000u);
       small1 = std::min(small1, 0x7f800000u), small2 = std::min(small2, 0x7f800000u);
       const int32_t y1 = q8_block_exponent(big1), y2 = q8_block_exponent(big2);
-      const uint32_t off1 = uint32_t(y1 - Q8Format<true>::kTop) << 3;
-      const uint32_t off2 = uint32_t(y2 - Q8Format<false>::kTop) << 3;
+      const uint32_t off1 = q8_normal_offset<true>(y1), off2 = q8_normal_offset<false>(y2);
       const auto encode = [&](auto all_normal) {
         constexpr bool kNormal = decltype(all_normal)::value;
 #pragma omp simd
@@ -163,12 +152,12 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
           const uint32_t index = index_low + uint32_t(j0 + j);
           if constexpr (kStates >= 1) {
             const uint32_t r = random_bits_low(k1, index);
-            q1[j0 + j] = uint8_t(kNormal ? q8_encode_normal_cpu<true>(f32_bits(ab[j]), r, off1)
+            q1[j0 + j] = uint8_t(kNormal ? q8_encode_normal<true>(f32_bits(ab[j]), r, off1)
                                          : q8_encode<true>(ab[j], y1, r));
           }
           if constexpr (kStates >= 2) {
             const uint32_t r = random_bits_low(k2, index);
-            q2[j0 + j] = uint8_t(kNormal ? q8_encode_normal_cpu<false>(f32_bits(cb[j]), r, off2)
+            q2[j0 + j] = uint8_t(kNormal ? q8_encode_normal<false>(f32_bits(cb[j]), r, off2)
                                          : q8_encode<false>(cb[j], y2, r));
           }
         }

@@ -351,15 +351,19 @@ AF_HD uint32_t q8_normal_floor(int32_t block_exp) {
   return uint32_t(block_exp - Q8Format<kSigned>::kTop + 1) << 23;
 }
 
-// q8_encode for a value with q8_abs_bits(x) >= q8_normal_floor(block_exp), the same bits in a few operations
-// (a driver uses it for a block whose values are all that large): the code's exponent and mantissa fields are
-// the fp32 bits' top 12 after the stochastic carry into them, rebased to the block's exponent.
+// q8_encode of x (fp32 bits u) for q8_abs_bits(x) >= q8_normal_floor(block_exp), the same bits in a few
+// operations (a driver uses it for a block whose values are all that large): the code's exponent and mantissa
+// fields are the fp32 bits' top 12 after the stochastic carry into them, rebased to the block's exponent by
+// offset = q8_normal_offset(block_exp). q8_abs_bits's NaN clamp is not needed: a NaN's larger magnitude
+// saturates the code as inf's does, since a block holding one has the largest exponent (kQ8MaxExp), where both
+// are past kMaxMag.
 template <bool kSigned>
-AF_HD uint8_t q8_encode_normal(float x, int32_t block_exp, uint32_t r) {
-  const uint32_t u = f32_bits(x);
-  uint32_t mag = ((q8_abs_bits(x) + (r & 0xFFFFFu)) >> 20) - (uint32_t(block_exp - Q8Format<kSigned>::kTop) << 3);
-  mag = mag < Q8Format<kSigned>::kMaxMag ? mag : Q8Format<kSigned>::kMaxMag;
-  return uint8_t(kSigned ? (mag | ((u >> 24) & 0x80u)) : mag);
+AF_HD uint32_t q8_normal_offset(int32_t block_exp) { return uint32_t(block_exp - Q8Format<kSigned>::kTop) << 3; }
+template <bool kSigned>
+AF_HD uint32_t q8_encode_normal(uint32_t u, uint32_t r, uint32_t offset) {
+  const uint32_t mag = (((u & 0x7fffffffu) + (r & 0xFFFFFu)) >> 20) - offset;
+  const uint32_t sat = mag < Q8Format<kSigned>::kMaxMag ? mag : Q8Format<kSigned>::kMaxMag;
+  return kSigned ? (sat | ((u >> 24) & 0x80u)) : sat;
 }
 
 // state_precision.q8_decode: a code -> its value at its block's exponent (exact: integer and power-of-two
