@@ -5,12 +5,9 @@ without CUDA.
 Both sides get the same partials (one column: the summed squares of the gradients), so the clip coefficient is
 the same fp32 value, and the kernel's element math is math.h's, the reference's fp32 expressions in their order:
 
-* SGD (every weight format): codes, block scales, weights, masters or remainders and step counts bit for bit
-  equal to the reference's (computed on CPU copies), clipping on.
-* Adam / AdamW: Adam's per-step constants (bias corrections) may differ from the reference's fp32 ones by an
-  ulp, so the fp32 math may too; the kernel is held bit for bit against the native ``cpu`` backend (the same
-  math.h constants and element math on the same inputs), and against the reference within what one code step
-  and one ulp of those constants allow.
+* SGD and Adam / AdamW (every weight format): codes, block scales, weights, masters or remainders and step
+  counts bit for bit equal to the reference's (computed on CPU copies), clipping on; Adam's bias corrections
+  are fp32 IEEE operations on both sides (reference.expm1_nonpositive).
 * Sizes that end inside a block (1, 7, 255, 257, 1300), a whole block (256), several chunks of the step kernel
   (> 16384 elements: one block of threads per chunk), a transposed parameter, a parameter without a gradient
   (untouched, its blocks too), per-parameter step counts (SGD's first step), a skipped step (nothing changes),
@@ -205,9 +202,10 @@ def _untouched_blocks_hold(fast: Problem, start: Problem):
 
 
 @pytest.mark.parametrize("opt,fmt", [("sgd", f) for f in FORMATS] + [("sgd-nesterov", "fp32-params"),
-                                                                      ("sgd-nesterov", "bf16-no-master")])
+                                                                      ("sgd-nesterov", "bf16-no-master")]
+                         + [(o, f) for o in ("adam", "adamw") for f in FORMATS])
 @gpu
-def test_sgd_q8_matches_the_reference_bit_for_bit(opt, fmt):
+def test_q8_step_matches_the_reference_bit_for_bit(opt, fmt):
     fast, fast_stats = _run(fmt, opt, BACKEND, DEV)
     ref, ref_stats = _run(fmt, opt, None, "cpu")
     for k, (a, b) in enumerate(zip(fast_stats, ref_stats)):
@@ -215,39 +213,6 @@ def test_sgd_q8_matches_the_reference_bit_for_bit(opt, fmt):
     for (name, a), (_, b) in zip(fast.tensors(), ref.tensors()):
         assert_bitwise(f"{name} ({opt}, {fmt})", a, b)
     _untouched_blocks_hold(fast, Problem(fmt, opt, "cpu"))
-
-
-def _code_steps_apart(a, b, signed):
-    return ((a.to(torch.int64) & 0x7F) - (b.to(torch.int64) & 0x7F)).abs() if signed else \
-        (a.to(torch.int64) - b.to(torch.int64)).abs()
-
-
-@gpu
-@pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("opt", ["adam", "adamw"])
-def test_adam_q8_matches_the_cpu_backend_bit_for_bit_and_the_reference(opt, fmt):
-    fast, fast_stats = _run(fmt, opt, BACKEND, DEV)
-    if not ops.registry.reasons_for("cpu", torch.device("cpu")):
-        cpu, cpu_stats = _run(fmt, opt, "cpu", "cpu")
-        for k, (a, b) in enumerate(zip(fast_stats, cpu_stats)):
-            assert_bitwise(f"out_stats (step {k})", a, b)
-        for (name, a), (_, b) in zip(fast.tensors(), cpu.tensors()):
-            assert_bitwise(f"{name} ({opt}, {fmt}) against the cpu backend", a, b)
-    ref, _ = _run(fmt, opt, None, "cpu")
-    _untouched_blocks_hold(fast, Problem(fmt, opt, "cpu"))
-    got, want = dict(fast.tensors()), dict(ref.tensors())
-    assert_bitwise("steps", got["steps"], want["steps"])
-    for k, signed in ((1, True), (2, False)):  # a code one step away (same sign), at a few elements
-        d = _code_steps_apart(got[f"state{k}"], want[f"state{k}"], signed)
-        assert d.max() <= 1 and int((d > 0).sum()) <= max(2, fast.total // 200), f"state{k}"
-    # a block whose largest value straddles a binade: its scale one binade away, at a few blocks
-    assert int((got["state_scales"] != want["state_scales"]).sum()) <= 2
-    # the weights: an update is at most ~3.2 lr; a code one step (2^-3 of it) apart moves it by 1.5 * 2^-3 of that
-    bound = 3 * 3.2 * 1e-3 * 1.5 * 2 ** -3 + 1e-6
-    for i in range(len(PARAMS)):
-        a, b = got[f"params[{i}]"].float(), want[f"params[{i}]"].float()
-        ulp = 2 ** -7 if fast.pdtype == BF16 else (2 ** -10 if fast.pdtype == F16 else 0.0)
-        assert ((a - b).abs() <= bound + ulp * b.abs().clamp(min=1.0)).all(), f"params[{i}]"
 
 
 @gpu

@@ -84,24 +84,47 @@ def _store(ptr, idx, n, value, MASKED: tl.constexpr):
         tl.store(ptr + idx, value)
 
 
+# reference.expm1_nonpositive's constants (fp64 values, rounded to fp32 where used, as there and in math.h)
+_EXPM1_C9 = tl.constexpr(1 / 362880)
+_EXPM1_C8 = tl.constexpr(1 / 40320)
+_EXPM1_C7 = tl.constexpr(1 / 5040)
+_EXPM1_C6 = tl.constexpr(1 / 720)
+_EXPM1_C5 = tl.constexpr(1 / 120)
+_EXPM1_C4 = tl.constexpr(1 / 24)
+_EXPM1_C3 = tl.constexpr(1 / 6)
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2_HI = tl.constexpr(0.693359375)
+_LN2_LO = tl.constexpr(-2.12194440e-4)
+
+
 @triton.jit
 def _expm1(x):
-    """``exp(x) - 1`` in fp32 to a few ulp for any x (scalar or block).
-
-    ``exp(x) - 1`` cancels for small |x|, so there a degree-9 Taylor polynomial is used (the first omitted
-    term is below 3e-10 relative at |x| = 0.5); beyond, ``exp(x) - 1`` loses at most a few ulp.
-    """
-    p = 1.0 / 362880.0
-    p = p * x + 1.0 / 40320.0
-    p = p * x + 1.0 / 5040.0
-    p = p * x + 1.0 / 720.0
-    p = p * x + 1.0 / 120.0
-    p = p * x + 1.0 / 24.0
-    p = p * x + 1.0 / 6.0
+    """``exp(x) - 1`` for fp32 ``x <= 0`` (scalar or block): ``reference.expm1_nonpositive``, the same IEEE
+    operations in the same order (the launch forbids fma), so the same bits as every other backend."""
+    p = _EXPM1_C9
+    p = p * x + _EXPM1_C8
+    p = p * x + _EXPM1_C7
+    p = p * x + _EXPM1_C6
+    p = p * x + _EXPM1_C5
+    p = p * x + _EXPM1_C4
+    p = p * x + _EXPM1_C3
     p = p * x + 0.5
     p = p * x + 1.0
-    series = p * x
-    return tl.where(tl.abs(x) < 0.5, series, tl.exp(x) - 1.0)
+    small = p * x
+    xe = tl.minimum(tl.maximum(x, -24.0), -0.5)
+    k = tl.floor(xe * _LOG2E + 0.5)
+    r = (xe - k * _LN2_HI) - k * _LN2_LO
+    q = _EXPM1_C7
+    q = q * r + _EXPM1_C6
+    q = q * r + _EXPM1_C5
+    q = q * r + _EXPM1_C4
+    q = q * r + _EXPM1_C3
+    q = q * r + 0.5
+    q = q * r + 1.0
+    q = q * r + 1.0
+    two_k = ((k.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    big = q * two_k - 1.0
+    return tl.where(x >= -0.5, small, tl.where(x >= -24.0, big, -1.0))
 
 
 @triton.jit

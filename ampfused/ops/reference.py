@@ -89,9 +89,16 @@ def unscale_(grads: List[Tensor], inv_scale: Tensor) -> Tensor:
     return out
 
 
+def sqrt_rn(x: Tensor) -> Tensor:
+    """The square root correctly rounded, as every backend's kernels take it: an fp32 one through fp64 (whose
+    square root, within an ulp of fp64, rounds to the correctly rounded fp32 one). torch's own fp32 sqrt on the
+    CPU is not always correctly rounded (an ulp off at about 0.6% of inputs, torch 2.13 with AVX-512)."""
+    return x.double().sqrt().float() if x.dtype == torch.float32 else x.sqrt()
+
+
 def reduce_partials(partials: Tensor) -> tuple[Tensor, Tensor]:
     """``(norm, found_inf)``: sqrt of the summed squares, and 1.0 if any flag is set (both 0-d fp32)."""
-    norm = partials[0].sum().sqrt()
+    norm = sqrt_rn(partials[0].sum())
     found_inf = (partials[1].amax() > 0).float() if partials.shape[1] else partials.new_zeros(())
     return norm, found_inf
 
@@ -132,10 +139,43 @@ def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, grow
         skipped.add_(overflow.to(skipped.dtype))
 
 
+# exp(x) - 1 in fp32 from IEEE operations only, each rounded as written (no fma), so every backend computes it bit
+# for bit alike, where a math library's expm1 or exp differs by device in its last bits. Taylor series, highest
+# term first: x * (1 + x/2 + ... + x^8/9!) for -0.5 <= x (the first omitted term is below 3e-10 of it), and
+# exp(r) to r^7/7! after the reduction x = k ln2 + r, |r| <= ln2/2 (below 6e-9 of it). A few ulp from expm1.
+EXPM1_SERIES = (1 / 362880, 1 / 40320, 1 / 5040, 1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0)
+EXP_SERIES = (1 / 5040, 1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 1.0)
+LOG2E, LN2_HI, LN2_LO = 1.4426950408889634, 0.693359375, -2.12194440e-4  # ln2 = LN2_HI + LN2_LO, k * LN2_HI exact
+
+
+def _horner(coefs, x: Tensor) -> Tensor:
+    p = torch.full_like(x, coefs[0])
+    for c in coefs[1:]:
+        p = p * x + c
+    return p
+
+
+def expm1_nonpositive(x: Tensor) -> Tensor:
+    """``exp(x) - 1`` for fp32 ``x <= 0`` (-inf gives -1), the same bits on every backend (see above)."""
+    small = _horner(EXPM1_SERIES, x) * x
+    xe = x.clamp(-24.0, -0.5)  # below -24, exp(x) < 2^-34 and exp(x) - 1 rounds to -1
+    k = torch.floor(xe * LOG2E + 0.5)
+    r = (xe - k * LN2_HI) - k * LN2_LO
+    two_k = ((k.to(torch.int32) + 127) << 23).view(torch.float32)  # 2^k, exact
+    big = _horner(EXP_SERIES, r) * two_k - 1.0
+    return torch.where(x >= -0.5, small, torch.where(x >= -24.0, big, torch.full_like(x, -1.0)))
+
+
+def log_beta(beta: float) -> float:
+    """``log(beta)`` for the bias corrections, on the host (fp64, then fp32 where used); ``beta = 0``, valid
+    in torch's Adam, gives -inf and a correction of 1."""
+    return math.log(beta) if beta > 0 else -math.inf
+
+
 def bias_correction(beta: float, step: Tensor) -> Tensor:
-    """``1 - beta**step`` computed as ``-expm1(step * log(beta))`` so small steps keep their precision
-    (``beta = 0``, valid in torch's Adam, gives ``log = -inf`` and a correction of 1)."""
-    return -torch.expm1(step * (math.log(beta) if beta > 0 else -math.inf))
+    """``1 - beta**step`` in fp32 as ``-expm1(step * log(beta))``, so small steps keep their precision;
+    ``step`` fp32, ``log(beta)`` rounded to fp32, their product rounded, then :func:`expm1_nonpositive`."""
+    return -expm1_nonpositive(step * torch.tensor(log_beta(beta), dtype=torch.float32, device=step.device))
 
 
 def _prologue(partials: Tensor, inv_scale: Tensor, max_norm: float, out_stats: Tensor,
@@ -279,6 +319,10 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
         param = round_to_nearest_even(w)  (when a master exists)
         steps[i] = t
 
+    Each operation is rounded as written (no fused multiply-add; torch's two forms of lerp by the weight's size),
+    square roots are correctly rounded (:func:`sqrt_rn`), and ``1 - beta**t`` is :func:`bias_correction`
+    (fp32, from IEEE operations alone): every backend computes these same bits.
+
     Tensors: ``params`` T dense tensors of one dtype on one device; ``grads`` T entries, each ``None`` (that
     parameter is left alone: no decay, no state change, its step count stays) or a tensor with its
     parameter's dtype, shape and strides. ``master``, ``exp_avg``, ``exp_avg_sq`` are 1-D flat buffers laid
@@ -315,10 +359,13 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
                 w_new = w * (1 - lr_c * weight_decay)
             else:
                 g = g + weight_decay * w
-        m_new = torch.lerp(m, g, 1 - beta1)
+        # torch.lerp(m, g, 1 - beta1) with torch's two forms by the weight's size, each operation rounded as
+        # written (torch.lerp itself fuses into an fma where its kernel has one, so its bits vary by device)
+        w1 = 1 - beta1
+        m_new = m + w1 * (g - m) if abs(w1) < 0.5 else g - (g - m) * (1 - w1)
         v_new = v * beta2 + (1 - beta2) * g * g
         step_size = lr_c / bias_correction(beta1, t)
-        denom = v_new.sqrt() / bias_correction(beta2, t).sqrt() + eps
+        denom = sqrt_rn(v_new) / sqrt_rn(bias_correction(beta2, t)) + eps
         w_new = w_new - step_size * m_new / denom
         _commit(skip, cx.state_pairs(m_buf, m_new, 0, t, sl) + cx.state_pairs(v_buf, v_new, 1, t, sl)
                 + cx.weight_pairs(pm, w_buf, w_new, t, sl))

@@ -47,8 +47,8 @@ How each mode is checked before it is timed, on the same check steps as every va
   weights beyond that (bench/step/peers.py: a tiny second moment next to a large one). Those bounds are loose, so
   on a backend other than the reference the mode also runs on the reference backend (its *twin*, the
   specification of the format) and at most ``Q8_TWIN_FRACTION`` of the moments and weights may differ from the
-  twin's beyond one code step (the backends' fp32 constants may differ by an ulp: a value straddling a rounding
-  boundary then takes the neighbouring code).
+  twin's beyond one code step (each backend sums the norm in its own order, so the clip coefficient may differ
+  by an ulp: a value straddling a rounding boundary then takes the neighbouring code).
 
 These bounds are the formats' own error, far below what a wrong rule produces (a missed unscale or clip
 changes moments by the scale or the clip coefficient; a lost update moves a weight by ``lr``-sized steps

@@ -218,9 +218,11 @@ void adam_step(const py::object& table, int64_t count, int param_dtype, int grad
   const StepArgs a = step_args(table_address(table, count, &keep), count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq,
                                steps, step_code, partials, num_partials, inv_scale, lr, lr_code, out_stats,
                                master_format, state_dtype, seed, state_scales, scale_blocks);
+  const float log_beta1 = log_beta(beta1), log_beta2 = log_beta(beta2);
   py::gil_scoped_release nogil;
   run_step<AdamConsts>(a, max_norm, nthreads, [&](float coef, float lr_f, double step) {
-    return make_adam_consts(coef, lr_f, next_step(step), beta1, beta2, eps, weight_decay, decoupled, maximize);
+    return make_adam_consts(coef, lr_f, float(next_step(step)), beta1, beta2, log_beta1, log_beta2, eps,
+                            weight_decay, decoupled, maximize);
   }, isa().adam);
 }
 

@@ -9,8 +9,8 @@ struct AdamOp {
   using Hyper = AdamHyper;
   using Consts = AdamConsts;
   __device__ __noinline__ static Consts make(float coef, float lr, double step, const Hyper& h) {
-    return make_adam_consts(coef, lr, next_step(step), h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled,
-                            h.maximize);
+    return make_adam_consts(coef, lr, float(next_step(step)), h.beta1, h.beta2, h.log_beta1, h.log_beta2, h.eps,
+                            h.weight_decay, h.decoupled, h.maximize);
   }
   __device__ static void apply(float g, float& w, float& m, float& v, const Consts& c) { adam_update(g, w, m, v, c); }
 };

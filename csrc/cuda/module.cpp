@@ -107,7 +107,7 @@ void adam_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, 
                                state_scales, scale_blocks);
   check_state_format(a, num_chunks);
   const cuda::WorkList w = work_list(a, chunks, num_chunks, columns, num_columns, single_launch);
-  const AdamHyper h{beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize};
+  const AdamHyper h{beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize, log_beta(beta1), log_beta(beta2)};
   check(cuda::adam_step(device, stream, a, w, h, addr<int32_t>(counter), single_launch));
 }
 

@@ -127,8 +127,41 @@ AF_HD float step_coef(float inv_scale, float norm, double max_norm) {
 // reference.adam_step_: t = step.to(fp32) + 1.
 AF_HD double next_step(double step) { return double(float(step) + 1.0f); }
 
-// reference.bias_correction: 1 - beta**t as -expm1(t * log(beta)), here in fp64.
-AF_HD double bias_correction(double beta, double t) { return -expm1(t * log(beta)); }
+// reference.expm1_nonpositive: exp(x) - 1 for x <= 0 from fp32 IEEE operations only (the same bits on every
+// backend; a math library's expm1 differs by device): Taylor series below |x| = 0.5, else exp(r) after
+// x = k ln2 + r, scaled by 2^k (exact), less 1; -1 below -24.
+AF_HD float expm1_nonpositive(float x) {
+  if (x >= -0.5f) {
+    float p = float(1.0 / 362880.0);
+    p = p * x + float(1.0 / 40320.0);
+    p = p * x + float(1.0 / 5040.0);
+    p = p * x + float(1.0 / 720.0);
+    p = p * x + float(1.0 / 120.0);
+    p = p * x + float(1.0 / 24.0);
+    p = p * x + float(1.0 / 6.0);
+    p = p * x + 0.5f;
+    p = p * x + 1.0f;
+    return p * x;
+  }
+  if (!(x >= -24.0f)) return -1.0f;
+  const float k = floorf(x * float(1.4426950408889634) + 0.5f);
+  const float r = (x - k * 0.693359375f) - k * float(-2.12194440e-4);
+  float q = float(1.0 / 5040.0);
+  q = q * r + float(1.0 / 720.0);
+  q = q * r + float(1.0 / 120.0);
+  q = q * r + float(1.0 / 24.0);
+  q = q * r + float(1.0 / 6.0);
+  q = q * r + 0.5f;
+  q = q * r + 1.0f;
+  q = q * r + 1.0f;
+  return q * f32_from_bits(uint32_t(int32_t(k) + 127) << 23) - 1.0f;
+}
+
+// reference.log_beta, on the host: log(beta) rounded to fp32 (-inf for beta = 0).
+inline float log_beta(double beta) { return beta > 0.0 ? float(std::log(beta)) : -INFINITY; }
+
+// reference.bias_correction: 1 - beta**t in fp32 as -expm1(t * log(beta)).
+AF_HD float bias_correction(float log_beta, float t) { return -expm1_nonpositive(t * log_beta); }
 
 // ---- optimizer updates (K2) ------------------------------------------------------------------------
 
@@ -145,8 +178,9 @@ struct AdamConsts {
   int maximize, use_l2, lerp_small;
 };
 
-AF_HD AdamConsts make_adam_consts(float coef, float lr, double t, double beta1, double beta2, double eps,
-                                  double weight_decay, bool decoupled, bool maximize) {
+// log_beta1, log_beta2: log_beta(beta1), log_beta(beta2) from the host.
+AF_HD AdamConsts make_adam_consts(float coef, float lr, float t, double beta1, double beta2, float log_beta1,
+                                  float log_beta2, double eps, double weight_decay, bool decoupled, bool maximize) {
   AdamConsts c;
   c.coef = coef;
   c.decay = (decoupled && weight_decay != 0.0) ? 1.0f - lr * float(weight_decay) : 1.0f;
@@ -156,8 +190,8 @@ AF_HD AdamConsts make_adam_consts(float coef, float lr, double t, double beta1, 
   c.lerp_small = fabsf(c.lerp_w) < 0.5f ? 1 : 0;
   c.beta2 = float(beta2);
   c.one_minus_beta2 = float(1.0 - beta2);
-  c.step_size = float(double(lr) / bias_correction(beta1, t));
-  c.bc2_sqrt = float(sqrt(bias_correction(beta2, t)));
+  c.step_size = lr / bias_correction(log_beta1, t);
+  c.bc2_sqrt = sqrtf(bias_correction(log_beta2, t));
   c.eps = float(eps);
   c.maximize = maximize ? 1 : 0;
   return c;

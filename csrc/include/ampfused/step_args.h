@@ -57,6 +57,7 @@ struct StepArgs {
 struct AdamHyper {
   double beta1, beta2, eps, weight_decay, max_norm;
   bool decoupled, maximize;
+  float log_beta1, log_beta2;  // math.h's log_beta of beta1, beta2 (on the host)
 };
 
 struct SgdHyper {
