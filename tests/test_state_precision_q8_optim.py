@@ -214,8 +214,9 @@ def test_resume_from_a_checkpoint_is_bitwise_the_uninterrupted_run(backend, mode
     entry = saved["opt"]["state"][3]
     names = ("momentum_buffer",) if kind == "sgd" else ("exp_avg", "exp_avg_sq")
     for name in names:  # codes shaped (and strided) like the parameter, scales of its own blocks
-        assert entry[name].dtype == U8 and entry[name].shape == first[0][3].shape
-        assert entry[name].stride() == first[0][3].stride()
+        codes = entry[f"{name}_codes"]
+        assert name not in entry and codes.dtype == U8 and codes.shape == first[0][3].shape
+        assert codes.stride() == first[0][3].stride()
         assert entry[f"{name}_scale"].dtype == torch.float32 and entry[f"{name}_scale"].shape == (4,)
     resumed = _make(kind, backend, weights, seed=9)  # other initial weights: the checkpoint's are loaded
     with torch.no_grad():
@@ -275,6 +276,46 @@ def test_torch_fp32_state_converts_to_8bit_and_back(backend):
             x = _in_order(t.state[q][name], p)
             back = sp.q8_dequantize(*sp.q8_quantize(x, sp.q8_signed(name)), sp.q8_signed(name))
             _within_rounding(f"{name}[{i}]", back, x, sp.q8_signed(name))
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_8bit_codes_are_never_taken_for_moment_values(kind):
+    """The state dict holds the codes as ``<name>_codes``: torch.optim, which casts whatever ``<name>`` it finds to
+    the parameter's dtype, never steps on codes 0-255 as moments: AdamW fails at its first step, SGD starts a
+    fresh momentum buffer (as it does for a parameter without one). A state dict holding the codes under
+    ``<name>`` itself (as this optimizer's ``state[p]`` does) still loads bit for bit."""
+    ps, opt = _make(kind, "reference", "no-master")
+    for k in range(2):
+        _feed([(ps, opt)], k)
+    sd = opt.state_dict()
+    names = ("momentum_buffer",) if kind == "sgd" else ("exp_avg", "exp_avg_sq")
+    for e in sd["state"].values():
+        assert all(n not in e and e[f"{n}_codes"].dtype == U8 for n in names)
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    t = torch.optim.SGD(qs, lr=1e-2, momentum=0.9) if kind == "sgd" else torch.optim.AdamW(qs, lr=1e-2)
+    t.load_state_dict(sd)
+    for q in qs:
+        q.grad = torch.ones_like(q)
+    before = [q.detach().clone() for q in qs]
+    if kind == "sgd":
+        t.step()
+        wd = t.param_groups[0]["weight_decay"]  # (the loaded group's)
+        for q, b in zip(qs, before):  # the first step's buffer: the gradient with its weight decay
+            assert torch.equal(t.state[q]["momentum_buffer"], q.grad.add(b, alpha=wd))
+    else:
+        with pytest.raises(KeyError, match=names[0]):
+            t.step()
+        assert all(torch.equal(q, b) for q, b in zip(qs, before))
+    # codes under the moment's own name: the same state
+    plain = {"param_groups": sd["param_groups"],
+             "state": {k: {(key[:-len("_codes")] if key.endswith("_codes") else key): v for key, v in e.items()}
+                       for k, e in sd["state"].items()}}
+    ps2, opt2 = _make(kind, "reference", "no-master")
+    for a, b in zip(ps2, ps):
+        a.data.copy_(b.detach())
+    opt2.load_state_dict(plain)
+    for i, (a, b) in enumerate(zip(_everything(ps2, opt2), _everything(ps, opt))):
+        assert_bitwise(f"{kind}: tensor {i}", a, b)
 
 
 def _in_order(x, p):
@@ -340,8 +381,10 @@ def test_bad_loaded_scales_are_refused_before_anything_changes():
         (bad("exp_avg_scale", torch.ones(2, dtype=torch.float64)), "must be a float32 tensor"),
         (bad("exp_avg_sq_scale", None), "'exp_avg_sq' of parameter 1 holds 8-bit codes .* needs their block scales "
                                         "'exp_avg_sq_scale'"),
-        (bad("exp_avg", torch.zeros(300, dtype=torch.int8)), "'exp_avg' of parameter 1 has dtype torch.int8"),
-        (bad("exp_avg", torch.zeros(40, 106, dtype=U8)[:, ::2], pid=2), "must keep the parameter's strides"),
+        (bad("exp_avg_codes", torch.zeros(300, dtype=torch.int8)),
+         r"'exp_avg_codes' of parameter 1 must be the uint8 codes of 8-bit moments, got torch.int8"),
+        (bad("exp_avg_codes", torch.zeros(40, 106, dtype=U8)[:, ::2], pid=2), "must keep the parameter's strides"),
+        (bad("exp_avg", torch.zeros(300)), r"parameter 1 has both 'exp_avg' and 'exp_avg_codes' \(its 8-bit codes\)"),
     ]
     for sd, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -432,7 +475,7 @@ def _as_exponents(sd):
     for k, entry in sd["state"].items():
         entry = dict(entry)
         for key in [key for key in entry if key.endswith("_scale")]:
-            codes, scales = entry[key[:-6]], entry.pop(key)
+            codes, scales = entry[f"{key[:-6]}_codes"], entry.pop(key)
             field = ((scales.view(torch.int32).to(torch.int64) >> 23) & 0xFF).to(U8)
             x = torch.empty_like(codes)
             memory_view(x).copy_(field.repeat_interleave(sp.QBLOCK)[:codes.numel()])
@@ -475,7 +518,7 @@ def test_8bit_moments_load_from_per_element_exponents(kind):
     entry = given["state"][1]
     x = entry[f"{key}_exponent"]
     memory_view(x)[:10] = torch.clamp(memory_view(x)[:10].to(torch.int64) + 1, max=sp.Q8_MAX_EXP).to(U8)
-    values = sp.q8_decode(memory_view(entry[key]), memory_view(x).to(torch.int64), True)
+    values = sp.q8_decode(memory_view(entry[f"{key}_codes"]), memory_view(x).to(torch.int64), True)
     opt2.load_state_dict(given)
     seg = opt2._segments[0]
     codes, scales = sp.q8_quantize(values, True)

@@ -23,7 +23,7 @@ from torch import Tensor
 from ..ops import memory_view
 from ..ops import state_precision as sp
 from ..optim._precision import remainders_from
-from ..optim._state import _codes_values, _packed_groups, _saved_scales, checked_entry, checked_groups
+from ..optim._state import _codes_values, _packed_groups, _saved_scales, checked_entry, checked_groups, codes_renamed
 from . import _comm as C
 from ._layout import master_key, state_dtypes
 
@@ -87,7 +87,7 @@ def export_sharded(opt) -> dict:
                        for name, flat in scales.items()})
             st.update({name: whole[name].as_strided(p.shape, p.stride(), s.offsets[j]).clone()
                        for name in dtypes if name not in opt.state_names})
-            state[index[id(p)]] = opt._export_param_state(st, count[j])
+            state[index[id(p)]] = codes_renamed(opt._export_param_state(st, count[j]), opt.state_names)
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 

@@ -54,6 +54,35 @@ class _StateMap(defaultdict):
         super().__setitem__(key, value)
 
 
+CODES = "_codes"  # the state dict's key suffix of 8-bit moments' codes
+
+
+def codes_renamed(entry: dict, names) -> dict:
+    """An exported entry with each 8-bit moment's codes (``optimizer.state[p][name]``, uint8) under
+    ``<name>_codes``: a loader that knows only moments' values (torch.optim's, which casts every state tensor
+    to the parameter's dtype) then finds no ``<name>`` and fails, instead of taking codes 0-255 for values."""
+    return {(f"{k}{CODES}" if k in names and isinstance(v, Tensor) and v.dtype == torch.uint8 else k): v
+            for k, v in entry.items()}
+
+
+def _codes_as_moments(e: dict, names, where: str) -> dict:
+    """A loaded entry with each ``<name>_codes`` under ``<name>``, as the optimizer holds it (a checkpoint
+    written before the codes had their own key holds them there already)."""
+    coded = [n for n in names if f"{n}{CODES}" in e]
+    for n in coded:
+        v = e[f"{n}{CODES}"]
+        if n in e:
+            raise ValueError(f"loaded state of {where} has both '{n}' and '{n}{CODES}' (its 8-bit codes): keep one")
+        if not isinstance(v, Tensor) or v.dtype != torch.uint8:
+            raise ValueError(f"loaded state '{n}{CODES}' of {where} must be the uint8 codes of 8-bit moments, got "
+                             f"{v.dtype if isinstance(v, Tensor) else type(v).__name__}")
+    if not coded:
+        return e
+    out = {k: v for k, v in e.items() if k not in {f"{n}{CODES}" for n in coded}}
+    out.update({n: e[f"{n}{CODES}"] for n in coded})
+    return out
+
+
 def _packed_groups(opt) -> tuple:
     """torch.optim's ``param_groups`` export (parameters as indices) and ``id(param) -> index``."""
     index: Dict[int, int] = {}
@@ -87,7 +116,7 @@ def export_state_dict(opt) -> dict:
                         st[f"{name}_exponent"] = seg.exponents(name, i)
                 if seg.master is not None:
                     st[master_key(seg)] = seg.state_view(seg.master, i)
-                entry = opt._export_param_state(st, steps[i], group)
+                entry = codes_renamed(opt._export_param_state(st, steps[i], group), opt.state_names)
                 if entry:  # (torch.optim.SGD without momentum keeps no state)
                     state[index[id(p)]] = entry
     # what is not a parameter's state (keys that hooks or users put in optimizer.state) is kept as torch keeps it
@@ -189,6 +218,7 @@ def checked_entry(opt, saved_state: dict, sid, p: Tensor):
     where = f"parameter {sid}"
     if not isinstance(e, dict):
         raise ValueError(f"loaded state of {where} must be a dict, got {type(e).__name__}")
+    e = _codes_as_moments(e, opt.state_names, where)
     keys = list(opt._state_keys_for_load(e))
     missing = [k for k in keys if k not in e]
     if missing:
@@ -351,14 +381,17 @@ def import_state_dict(opt, state_dict: dict) -> None:
 
 
 def torch_state_dict(state_dict: dict) -> dict:
-    """``state_dict`` (a fused optimizer's, any state precision) for ``torch.optim``'s optimizers: 8-bit moments
-    decoded exactly to fp32 (:func:`ampfused.ops.state_precision.q8_dequantize`) and their ``<name>_scale`` (or
-    FSDP2's ``<name>_exponent``) keys dropped. Everything else is kept as it is (the same tensors): torch casts
+    """``state_dict`` (a fused optimizer's, any state precision) for ``torch.optim``'s optimizers: 8-bit moments'
+    codes (``<name>_codes``) decoded exactly to fp32 values under ``<name>``
+    (:func:`ampfused.ops.state_precision.q8_dequantize`), their ``<name>_scale`` (or FSDP2's ``<name>_exponent``)
+    keys dropped. Everything else is kept as it is (the same tensors): torch casts
     bf16 moments to each parameter's dtype on load, and carries ``master_param`` / ``master_remainder`` along
     without using them."""
     state = {}
     for k, entry in state_dict["state"].items():
         if isinstance(entry, dict):
+            named = {key[:-len(CODES)]: v for key, v in entry.items() if key.endswith(CODES)}
+            entry = dict({key: v for key, v in entry.items() if not key.endswith(CODES)}, **named)
             coded = [key for key, v in entry.items() if isinstance(v, Tensor) and v.dtype == torch.uint8
                      and any(isinstance(entry.get(f"{key}{s}"), Tensor) for s in ("_scale", "_exponent"))]
             decoded = {key: _codes_values(key, entry) for key in coded}

@@ -49,11 +49,11 @@ def test_fsdp2_8bit_moments_on_one_rank_are_the_unsharded_optimizer(tmp_path):
     model, opt, skipped = C._single(1, **OPTIONS)
     got = load(tmp_path, 1)[0]
     assert got["skipped"] == skipped
-    assert got["keys"] == ["exp_avg", "exp_avg_exponent", "exp_avg_sq", "exp_avg_sq_exponent", "step"]
+    assert got["keys"] == ["exp_avg_codes", "exp_avg_exponent", "exp_avg_sq_codes", "exp_avg_sq_exponent", "step"]
     for i, p in enumerate(model.parameters()):
         assert_bitwise(f"param {i}", got["params"][i], p.detach())
         for name in ("exp_avg", "exp_avg_sq"):
-            assert_bitwise(f"{name} {i}", got["state"][name][i], opt.state[p][name])
+            assert_bitwise(f"{name} {i}", got["state"][f"{name}_codes"][i], opt.state[p][name])
             field = (opt.state[p][f"{name}_scale"].view(torch.int32) >> 23) & 0xFF
             exps = got["state"][f"{name}_exponent"][i]
             assert_bitwise(f"{name} exponents {i}", exps.reshape(-1)[::256].to(torch.int32), field)
@@ -66,7 +66,7 @@ def test_fsdp2_8bit_moments_step_on_every_rank(tmp_path):
     for r, got in enumerate(load(tmp_path, world)):
         assert got["skipped"] == skipped, f"rank {r}"
         for i, p in enumerate(model.parameters()):
-            assert got["state"]["exp_avg"][i].dtype == U8
+            assert got["state"]["exp_avg_codes"][i].dtype == U8
             _assert_near(got["params"][i], p.detach(), Z.STEPS, f"rank {r}: param {i}")
 
 
@@ -78,7 +78,7 @@ def _dcp_worker(rank, world, out, ckpt, phase):
     params = list(model.parameters())
     sd = opt.state_dict()["state"]
     save(out, rank, {"params": [C._full(p.detach()).clone() for p in params],
-                     "codes": [C._full(sd[i]["exp_avg_sq"]).clone() for i in range(len(params))]})
+                     "codes": [C._full(sd[i]["exp_avg_sq_codes"]).clone() for i in range(len(params))]})
 
 
 def _uninterrupted(rank, world, out):
@@ -91,7 +91,7 @@ def _uninterrupted(rank, world, out):
     sd = opt.state_dict()["state"]
     params = list(model.parameters())
     save(out, rank, {"params": [C._full(p.detach()).clone() for p in params],
-                     "codes": [C._full(sd[i]["exp_avg_sq"]).clone() for i in range(len(params))]})
+                     "codes": [C._full(sd[i]["exp_avg_sq_codes"]).clone() for i in range(len(params))]})
 
 
 def test_dcp_reshards_8bit_moments(tmp_path):

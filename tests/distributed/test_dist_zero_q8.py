@@ -140,7 +140,7 @@ def test_q8_trains_on_one_and_two_ranks(tmp_path, kind, mode):
             st = got["state"]["state"][i]
             assert sorted(st) == sorted(want["state"]["state"][i]), f"rank {r}: the single-process keys"
             for name in names:
-                assert st[name].dtype == torch.uint8 and st[name].shape == p.shape
+                assert st[f"{name}_codes"].dtype == torch.uint8 and st[f"{name}_codes"].shape == p.shape
                 assert st[f"{name}_scale"].dtype == torch.float32
                 assert st[f"{name}_scale"].shape == (q8_blocks(p.numel()),)
             assert {f"{name}_scale" for name in names} <= set(got["piece_keys"][i])
@@ -163,7 +163,7 @@ def _assert_near_single(got, want, where):
         bound = (STEPS - 1) * (ADAM["lr"] / 4 + 2.0 ** -7 * b.float().abs())
         assert ((a.float() - b.float()).abs() <= bound).all(), f"{where}: param[{i}] strays from the single run"
         for name in ("exp_avg", "exp_avg_sq"):
-            mine, single = (q8_dequantize(st[name].reshape(-1), st[f"{name}_scale"], q8_signed(name))
+            mine, single = (q8_dequantize(st[f"{name}_codes"].reshape(-1), st[f"{name}_scale"], q8_signed(name))
                             for st in (got["state"]["state"][i], want["state"]["state"][i]))
             assert (mine - single).abs().max() <= 2 * 2.0 ** -3 * single.abs().max(), f"{where}: {name}[{i}]"
 
@@ -209,7 +209,7 @@ def test_q8_checkpoint_moves_between_world_sizes_and_the_single_process_optimize
     ckpt = str(tmp_path / "two.pt")
     whole = _ckpt(tmp_path, 2, options, ckpt, "save")
     saved = torch.load(ckpt, weights_only=False)
-    assert saved["optim"]["state"][0]["exp_avg"].dtype == torch.uint8
+    assert saved["optim"]["state"][0]["exp_avg_codes"].dtype == torch.uint8
     assert saved["optim"]["state"][0]["exp_avg_scale"].shape == (3,)
 
     resumed = _ckpt(tmp_path, 2, options, ckpt, "load")
@@ -245,7 +245,7 @@ def test_single_process_checkpoints_load_at_world_two(tmp_path):
         if name == "q8":
             _assert_state(single_loaded, saved["optim"], name)
         if transposed:  # the codes follow the weight's memory order
-            assert ranks[0]["loaded"]["state"][0]["exp_avg"].stride() == (1, FOUT)
+            assert ranks[0]["loaded"]["state"][0]["exp_avg_codes"].stride() == (1, FOUT)
         for r, got in enumerate(ranks):
             _assert_state(got["loaded"], single_loaded, f"{name}, rank {r} as loaded")
             _assert_same(got, ranks[0], f"{name}, rank {r} against rank 0, continued")
