@@ -40,7 +40,7 @@ TBLOCK = 1024       # table rows per iteration of the step advance
 
 @triton.jit
 def _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, sc1_ptr, sc2_ptr, base, idx, n, coef,
-                decay, step_size, sqrt_bc2, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, state, kw,
+                decay, step_size, eps_c, one_minus_beta1, beta2, one_minus_beta2, weight_decay, state, kw,
                 k1, k2, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, DECOUPLED: tl.constexpr,
                 MAXIMIZE: tl.constexpr, MASTER_FORMAT: tl.constexpr, STATE_BF16: tl.constexpr,
                 STATE_Q8: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
@@ -64,7 +64,7 @@ def _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, sc1_ptr
     diff = g - m
     m_new = tl.where(one_minus_beta1 < 0.5, m + one_minus_beta1 * diff, g - diff * (1.0 - one_minus_beta1))
     v_new = v * beta2 + one_minus_beta2 * g * g
-    denom = tl.div_rn(tl.sqrt_rn(v_new), sqrt_bc2) + eps
+    denom = tl.sqrt_rn(v_new) + eps_c
     w_new = w_new - tl.div_rn(step_size * m_new, denom)
     index = state + idx  # in the flat buffers: the stochastic rounding's counter
     if STATE_Q8:
@@ -109,19 +109,21 @@ def _adam_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, exp_avg_ptr, 
             if USE_SEED:  # the stochastic rounding's keys at this parameter's step
                 seed = tl.load(seed_ptr)
                 kw, k1, k2 = _stream_key(seed, t, 0), _stream_key(seed, t, 1), _stream_key(seed, t, 2)
-            step_size = tl.div_rn(lr, -_expm1(t * log_beta1))
+            # m_hat / (sqrt(v_hat) + eps) as (lr / bc1 * sqrt(bc2)) * m / (sqrt(v) + eps * sqrt(bc2))
             sqrt_bc2 = tl.sqrt_rn(-_expm1(t * log_beta2))
+            step_size = tl.div_rn(lr, -_expm1(t * log_beta1)) * sqrt_bc2
+            eps_c = eps * sqrt_bc2
             full = count // BLOCK
             for b in range(0, full):
                 _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_c, exp_avg_sq_c, sc1, sc2, b * BLOCK,
-                            b * BLOCK + lanes, count, coef, decay, step_size, sqrt_bc2, one_minus_beta1, beta2,
-                            one_minus_beta2, eps, weight_decay, state, kw, k1, k2, PARAM_DTYPE, HAS_MASTER,
+                            b * BLOCK + lanes, count, coef, decay, step_size, eps_c, one_minus_beta1, beta2,
+                            one_minus_beta2, weight_decay, state, kw, k1, k2, PARAM_DTYPE, HAS_MASTER,
                             DECOUPLED, MAXIMIZE, MASTER_FORMAT, STATE_BF16, STATE_Q8, False, BLOCK)
             # the parameter's last, partial block
             if full * BLOCK < count:
                 _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_c, exp_avg_sq_c, sc1, sc2, full * BLOCK,
-                            full * BLOCK + lanes, count, coef, decay, step_size, sqrt_bc2, one_minus_beta1, beta2,
-                            one_minus_beta2, eps, weight_decay, state, kw, k1, k2, PARAM_DTYPE, HAS_MASTER,
+                            full * BLOCK + lanes, count, coef, decay, step_size, eps_c, one_minus_beta1, beta2,
+                            one_minus_beta2, weight_decay, state, kw, k1, k2, PARAM_DTYPE, HAS_MASTER,
                             DECOUPLED, MAXIMIZE, MASTER_FORMAT, STATE_BF16, STATE_Q8, True, BLOCK)
         _advance_steps(steps_ptr, table_ptr, T, counter_ptr, TBLOCK)
 
@@ -143,7 +145,7 @@ def adam_step_(plan, count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq
 
         g = c * grad (negated if maximize);  AdamW: w *= 1 - lr * wd;  Adam: g += wd * w
         m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g
-        w -= (lr / (1 - beta1**t)) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+        s = sqrt(1 - beta2**t);  w -= (lr / (1 - beta1**t) * s) * m / (sqrt(v) + eps * s)
         param = round_to_nearest_even(w);  steps[i] = t;  out_stats = [norm, found_inf]
 
     plan: the step's tensor table (``count`` rows) and chunk list (``_common.make_plan``; a chunk a multiple

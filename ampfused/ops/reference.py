@@ -315,13 +315,16 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
         AdamW: w = w * (1 - lr * weight_decay)      Adam: g = g + weight_decay * w
         m = m + (1 - beta1) * (g - m)
         v = beta2 * v + (1 - beta2) * g * g
-        w = w - (lr / (1 - beta1**t)) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+        s = sqrt(1 - beta2**t)
+        w = w - (lr / (1 - beta1**t) * s) * m / (sqrt(v) + eps * s)
         param = round_to_nearest_even(w)  (when a master exists)
         steps[i] = t
 
-    Each operation is rounded as written (no fused multiply-add; torch's two forms of lerp by the weight's size),
-    square roots are correctly rounded (:func:`sqrt_rn`), and ``1 - beta**t`` is :func:`bias_correction`
-    (fp32, from IEEE operations alone): every backend computes these same bits.
+    The update is torch's ``(lr / bc1) * m / (sqrt(v) / s + eps)`` with numerator and denominator multiplied by
+    ``s`` (the same value, one division per element instead of two; the step is bound by its divisions on a
+    CPU). Each operation is rounded as written (no fused multiply-add; torch's two forms of lerp by the weight's
+    size), square roots are correctly rounded (:func:`sqrt_rn`), and ``1 - beta**t`` is
+    :func:`bias_correction` (fp32, from IEEE operations alone): every backend computes these same bits.
 
     Tensors: ``params`` T dense tensors of one dtype on one device; ``grads`` T entries, each ``None`` (that
     parameter is left alone: no decay, no state change, its step count stays) or a tensor with its
@@ -364,8 +367,10 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
         w1 = 1 - beta1
         m_new = m + w1 * (g - m) if abs(w1) < 0.5 else g - (g - m) * (1 - w1)
         v_new = v * beta2 + (1 - beta2) * g * g
-        step_size = lr_c / bias_correction(beta1, t)
-        denom = sqrt_rn(v_new) / sqrt_rn(bias_correction(beta2, t)) + eps
+        # m_hat / (sqrt(v_hat) + eps), numerator and denominator times sqrt(1 - beta2**t): one division each
+        bc2_sqrt = sqrt_rn(bias_correction(beta2, t))
+        step_size = lr_c / bias_correction(beta1, t) * bc2_sqrt
+        denom = sqrt_rn(v_new) + eps * bc2_sqrt
         w_new = w_new - step_size * m_new / denom
         _commit(skip, cx.state_pairs(m_buf, m_new, 0, t, sl) + cx.state_pairs(v_buf, v_new, 1, t, sl)
                 + cx.weight_pairs(pm, w_buf, w_new, t, sl))

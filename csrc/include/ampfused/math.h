@@ -172,9 +172,8 @@ struct AdamConsts {
   float l2;          // Adam: weight_decay (0 for AdamW)
   float lerp_w;      // 1 - beta1
   float beta2, one_minus_beta2;
-  float step_size;   // lr / (1 - beta1**t)
-  float bc2_sqrt;    // sqrt(1 - beta2**t)
-  float eps;
+  float step_size;   // lr / (1 - beta1**t) * sqrt(1 - beta2**t)
+  float eps;         // eps * sqrt(1 - beta2**t)
   int maximize, use_l2, lerp_small;
 };
 
@@ -190,9 +189,9 @@ AF_HD AdamConsts make_adam_consts(float coef, float lr, float t, double beta1, d
   c.lerp_small = fabsf(c.lerp_w) < 0.5f ? 1 : 0;
   c.beta2 = float(beta2);
   c.one_minus_beta2 = float(1.0 - beta2);
-  c.step_size = lr / bias_correction(log_beta1, t);
-  c.bc2_sqrt = sqrtf(bias_correction(log_beta2, t));
-  c.eps = float(eps);
+  const float bc2_sqrt = sqrtf(bias_correction(log_beta2, t));
+  c.step_size = lr / bias_correction(log_beta1, t) * bc2_sqrt;
+  c.eps = float(eps) * bc2_sqrt;
   c.maximize = maximize ? 1 : 0;
   return c;
 }
@@ -214,7 +213,8 @@ AF_HD void adam_update_form(float g, float& w, float& m, float& v, const AdamCon
   const float d = g - m;
   const float mn = lerp_small ? m + c.lerp_w * d : g - d * (1.0f - c.lerp_w);
   const float vn = v * c.beta2 + (c.one_minus_beta2 * g) * g;
-  const float denom = sqrtf(vn) / c.bc2_sqrt + c.eps;
+  // m_hat / (sqrt(v_hat) + eps) with numerator and denominator times sqrt(1 - beta2**t): one division
+  const float denom = sqrtf(vn) + c.eps;
   wn = wn - (c.step_size * mn) / denom;
   w = wn;
   m = mn;
