@@ -98,9 +98,8 @@ _LN2_LO = tl.constexpr(-2.12194440e-4)
 
 
 @triton.jit
-def _expm1(x):
-    """``exp(x) - 1`` for fp32 ``x <= 0`` (scalar or block): ``reference.expm1_nonpositive``, the same IEEE
-    operations in the same order (the launch forbids fma), so the same bits as every other backend."""
+def _expm1_series(x):
+    """``reference.expm1_series``: ``1 + x/2! + ... + x^8/9!`` (``exp(x) - 1 = x P(x)``)."""
     p = _EXPM1_C9
     p = p * x + _EXPM1_C8
     p = p * x + _EXPM1_C7
@@ -109,21 +108,19 @@ def _expm1(x):
     p = p * x + _EXPM1_C4
     p = p * x + _EXPM1_C3
     p = p * x + 0.5
-    p = p * x + 1.0
-    small = p * x
+    return p * x + 1.0
+
+
+@triton.jit
+def _expm1(x):
+    """``exp(x) - 1`` for fp32 ``x <= 0`` (scalar or block): ``reference.expm1_nonpositive``, the same IEEE
+    operations in the same order (the launch forbids fma), so the same bits as every other backend."""
+    small = _expm1_series(x) * x
     xe = tl.minimum(tl.maximum(x, -24.0), -0.5)
     k = tl.floor(xe * _LOG2E + 0.5)
     r = (xe - k * _LN2_HI) - k * _LN2_LO
-    q = _EXPM1_C7
-    q = q * r + _EXPM1_C6
-    q = q * r + _EXPM1_C5
-    q = q * r + _EXPM1_C4
-    q = q * r + _EXPM1_C3
-    q = q * r + 0.5
-    q = q * r + 1.0
-    q = q * r + 1.0
     two_k = ((k.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-    big = q * two_k - 1.0
+    big = (1.0 + r * _expm1_series(r)) * two_k - 1.0
     return tl.where(x >= -0.5, small, tl.where(x >= -24.0, big, -1.0))
 
 

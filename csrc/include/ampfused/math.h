@@ -127,34 +127,28 @@ AF_HD float step_coef(float inv_scale, float norm, double max_norm) {
 // reference.adam_step_: t = step.to(fp32) + 1.
 AF_HD double next_step(double step) { return double(float(step) + 1.0f); }
 
+// reference.expm1_series: P(x) = 1 + x/2! + x^2/3! + ... + x^8/9!, so that exp(x) - 1 = x P(x).
+AF_HD float expm1_series(float x) {
+  float p = float(1.0 / 362880.0);
+  p = p * x + float(1.0 / 40320.0);
+  p = p * x + float(1.0 / 5040.0);
+  p = p * x + float(1.0 / 720.0);
+  p = p * x + float(1.0 / 120.0);
+  p = p * x + float(1.0 / 24.0);
+  p = p * x + float(1.0 / 6.0);
+  p = p * x + 0.5f;
+  return p * x + 1.0f;
+}
+
 // reference.expm1_nonpositive: exp(x) - 1 for x <= 0 from fp32 IEEE operations only (the same bits on every
-// backend; a math library's expm1 differs by device): Taylor series below |x| = 0.5, else exp(r) after
+// backend; a math library's expm1 differs by device): x P(x) above -0.5, else exp(r) = 1 + r P(r) after
 // x = k ln2 + r, scaled by 2^k (exact), less 1; -1 below -24.
 AF_HD float expm1_nonpositive(float x) {
-  if (x >= -0.5f) {
-    float p = float(1.0 / 362880.0);
-    p = p * x + float(1.0 / 40320.0);
-    p = p * x + float(1.0 / 5040.0);
-    p = p * x + float(1.0 / 720.0);
-    p = p * x + float(1.0 / 120.0);
-    p = p * x + float(1.0 / 24.0);
-    p = p * x + float(1.0 / 6.0);
-    p = p * x + 0.5f;
-    p = p * x + 1.0f;
-    return p * x;
-  }
+  if (x >= -0.5f) return expm1_series(x) * x;
   if (!(x >= -24.0f)) return -1.0f;
   const float k = floorf(x * float(1.4426950408889634) + 0.5f);
   const float r = (x - k * 0.693359375f) - k * float(-2.12194440e-4);
-  float q = float(1.0 / 5040.0);
-  q = q * r + float(1.0 / 720.0);
-  q = q * r + float(1.0 / 120.0);
-  q = q * r + float(1.0 / 24.0);
-  q = q * r + float(1.0 / 6.0);
-  q = q * r + 0.5f;
-  q = q * r + 1.0f;
-  q = q * r + 1.0f;
-  return q * f32_from_bits(uint32_t(int32_t(k) + 127) << 23) - 1.0f;
+  return (1.0f + r * expm1_series(r)) * f32_from_bits(uint32_t(int32_t(k) + 127) << 23) - 1.0f;
 }
 
 // reference.log_beta, on the host: log(beta) rounded to fp32 (-inf for beta = 0).
