@@ -266,16 +266,18 @@ def test_adam_compact_modes_match_the_reference_bit_for_bit(backend, mode, clip)
         assert_bitwise(mode, a, b)
 
 
+@pytest.mark.parametrize("beta1", [0.0, 0.1])
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
-def test_adam_hyperparameters_match_the_reference_bit_for_bit(backend):
-    # the other forms of the update: L2 decay (Adam), maximize, beta1 = 0 (log(beta1) = -inf: a bias correction
-    # of 1; lerp's large-weight form) and a small beta2 (t * log(beta2) past expm1's series)
+def test_adam_hyperparameters_match_the_reference_bit_for_bit(backend, beta1):
+    # the other forms of the update: L2 decay (Adam), maximize, lerp's large-weight form (beta1 = 0.1: 1 - w is
+    # formed from w rounded to fp32, as torch.lerp forms it; beta1 = 0: log(beta1) = -inf, a bias correction of
+    # 1) and a small beta2 (t * log(beta2) past expm1's series)
     def run(b):
-        p = Problem("none", True, sgd=False)
+        p = Problem("fp32", False, sgd=False)  # fp32 masters and moments: every fp32 bit shows
         for k in range(3):
             grads = _grads(p, k)
             ops.adam_step_(p.params, grads, p.master, p.states[0], p.states[1], p.steps, torch.zeros(2, 1),
-                           torch.tensor(0.5), torch.tensor(1e-3), torch.zeros(2), beta1=0.0, beta2=0.5, eps=1e-6,
+                           torch.tensor(0.5), torch.tensor(1e-3), torch.zeros(2), beta1=beta1, beta2=0.5, eps=1e-6,
                            weight_decay=0.01, max_norm=math.inf, decoupled=False, maximize=True, seed=p.seed,
                            backend=b)
         return p

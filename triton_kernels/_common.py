@@ -234,6 +234,13 @@ LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+def f32(x: float) -> float:
+    """``x`` rounded to fp32, as a Python float: what a kernel's fp32 scalar argument holds on a GPU. Every
+    float hyperparameter is passed so, so that Triton's interpreter, which keeps a scalar argument's Python value,
+    computes with the same value (1.0 - 0.9 and 1.0 - fp32(0.9) differ)."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

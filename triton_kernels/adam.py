@@ -24,8 +24,8 @@ import math
 import triton
 import triton.language as tl
 
-from ._common import (LAUNCH_OPTIONS, TL_DTYPES, device_guard, grid_size, nonempty, _advance_steps, _expm1, _load,
-                      _prologue, _state_ptr, _step_chunk, _to_f32)
+from ._common import (LAUNCH_OPTIONS, TL_DTYPES, device_guard, f32, grid_size, nonempty, _advance_steps, _expm1,
+                      _load, _prologue, _state_ptr, _step_chunk, _to_f32)
 from ._compact import (MASTER_REMAINDER, _load_state, _load_weight, _store_state, _store_weight, _stream_key,
                        chunk_state_ptrs, launch_format)
 from ._q8 import QBLOCK, _load_q8, _store_q8
@@ -168,7 +168,7 @@ def adam_step_(plan, count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq
             nonempty(partials, out_stats), inv_scale, lr, out_stats, counter, nonempty(seed, counter),
             nonempty(state_scales, out_stats), state_scales.shape[-1] if fmt.state_q8 else 0,
             partials.shape[1], partials.stride(0), partials.stride(1),
-            1.0 - beta1, beta2, 1.0 - beta2, _log(beta1), _log(beta2), eps, weight_decay, max_norm,
+            *map(f32, (1.0 - beta1, beta2, 1.0 - beta2, _log(beta1), _log(beta2), eps, weight_decay, max_norm)),
             PARAM_DTYPE=TL_DTYPES[param_dtype], GRAD_DTYPE=TL_DTYPES[grad_dtype], HAS_MASTER=fmt.has_fp32_master,
             DECOUPLED=bool(decoupled), MAXIMIZE=bool(maximize), CLIP=not math.isinf(max_norm),
             ALIGNED=plan.aligned, MASTER_FORMAT=fmt.master, STATE_BF16=fmt.state_bf16, STATE_Q8=fmt.state_q8,

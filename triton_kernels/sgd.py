@@ -11,8 +11,8 @@ import math
 import triton
 import triton.language as tl
 
-from ._common import (LAUNCH_OPTIONS, TL_DTYPES, device_guard, grid_size, nonempty, _advance_steps, _load, _prologue,
-                      _step_chunk, _to_f32)
+from ._common import (LAUNCH_OPTIONS, TL_DTYPES, device_guard, f32, grid_size, nonempty, _advance_steps, _load,
+                      _prologue, _step_chunk, _to_f32)
 from ._compact import (_load_state, _load_weight, _store_state, _store_weight, _stream_key, chunk_state_ptrs,
                        launch_format)
 from ._q8 import QBLOCK, _load_q8, _store_q8
@@ -127,7 +127,7 @@ def sgd_step_(plan, count, param_dtype, grad_dtype, master, momentum_buf, steps,
             nonempty(momentum_buf if has_momentum else None, out_stats), nonempty(steps, out_stats),
             nonempty(partials, out_stats), inv_scale, lr, out_stats, counter, nonempty(seed, counter),
             nonempty(state_scales if fmt.state_q8 else None, out_stats), partials.shape[1], partials.stride(0), partials.stride(1),
-            momentum, 1.0 - dampening, weight_decay, max_norm,
+            *map(f32, (momentum, 1.0 - dampening, weight_decay, max_norm)),
             PARAM_DTYPE=TL_DTYPES[param_dtype], GRAD_DTYPE=TL_DTYPES[grad_dtype], HAS_MASTER=fmt.has_fp32_master,
             HAS_MOMENTUM=has_momentum, NESTEROV=bool(nesterov), MAXIMIZE=bool(maximize),
             CLIP=not math.isinf(max_norm), ALIGNED=plan.aligned, MASTER_FORMAT=fmt.master,

@@ -362,9 +362,9 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
                 w_new = w * (1 - lr_c * weight_decay)
             else:
                 g = g + weight_decay * w
-        # torch.lerp(m, g, 1 - beta1) with torch's two forms by the weight's size, each operation rounded as
-        # written (torch.lerp itself fuses into an fma where its kernel has one, so its bits vary by device)
-        w1 = 1 - beta1
+        # torch.lerp(m, g, 1 - beta1): its weight w rounded to fp32, its two forms by w's size (1 - w exact),
+        # each operation rounded as written (torch.lerp itself fuses into an fma where its kernel has one)
+        w1 = torch.tensor(1 - beta1, dtype=torch.float32).item()
         m_new = m + w1 * (g - m) if abs(w1) < 0.5 else g - (g - m) * (1 - w1)
         v_new = v * beta2 + (1 - beta2) * g * g
         # m_hat / (sqrt(v_hat) + eps), numerator and denominator times sqrt(1 - beta2**t): one division each
