@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 
 from ._common import (LAUNCH_OPTIONS, TL_DTYPES, device_guard, f32, grid_size, nonempty, _advance_steps, _expm1,
-                      _load, _prologue, _state_ptr, _step_chunk, _to_f32)
-from ._compact import (MASTER_REMAINDER, _load_state, _load_weight, _store_state, _store_weight, _stream_key,
-                       chunk_state_ptrs, launch_format)
+                      _load, _prologue, _step_chunk, _to_f32)
+from ._compact import (_load_state, _load_weight, _store_state, _store_weight, _stream_key, chunk_state_ptrs,
+                       launch_format)
 from ._q8 import QBLOCK, _load_q8, _store_q8
 
 BLOCK = 1024        # elements per program per iteration (8 per thread with 4 warps)
