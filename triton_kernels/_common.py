@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ampfused.ops import _work
+from ampfused.ops import _work, reference
 
 # The step's tensor table (csrc/include/ampfused/step_args.h): one row per parameter of {param address,
 # grad address, numel (NO_GRAD when the parameter has no gradient this step), offset in the flat state
@@ -238,7 +238,7 @@ def f32(x: float) -> float:
     """``x`` rounded to fp32, as a Python float: what a kernel's fp32 scalar argument holds on a GPU. Every
     float hyperparameter is passed so, so that Triton's interpreter, which keeps a scalar argument's Python value,
     computes with the same value (1.0 - 0.9 and 1.0 - fp32(0.9) differ)."""
-    return torch.tensor(x, dtype=torch.float32).item()
+    return reference.fp32(x)
 
 
 def cdiv(a: int, b: int) -> int:

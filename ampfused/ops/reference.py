@@ -30,6 +30,7 @@ Conventions shared by every backend
 from __future__ import annotations
 
 import math
+import struct
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -164,6 +165,14 @@ def expm1_nonpositive(x: Tensor) -> Tensor:
     two_k = ((k.to(torch.int32) + 127) << 23).view(torch.float32)  # 2^k, exact
     big = (1.0 + r * expm1_series(r)) * two_k - 1.0
     return torch.where(x >= -0.5, small, torch.where(x >= -24.0, big, torch.full_like(x, -1.0)))
+
+
+def fp32(x: float) -> float:
+    """``x`` rounded to fp32 (to nearest even; inf beyond its range), as a Python float, without a tensor."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # (the cast gave inf)
+        return math.copysign(math.inf, x)
 
 
 def log_beta(beta: float) -> float:
@@ -364,7 +373,7 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
                 g = g + weight_decay * w
         # torch.lerp(m, g, 1 - beta1): its weight w rounded to fp32, its two forms by w's size (1 - w exact),
         # each operation rounded as written (torch.lerp itself fuses into an fma where its kernel has one)
-        w1 = torch.tensor(1 - beta1, dtype=torch.float32).item()
+        w1 = fp32(1 - beta1)
         m_new = m + w1 * (g - m) if abs(w1) < 0.5 else g - (g - m) * (1 - w1)
         v_new = v * beta2 + (1 - beta2) * g * g
         # m_hat / (sqrt(v_hat) + eps), numerator and denominator times sqrt(1 - beta2**t): one division each
