@@ -184,7 +184,7 @@ def log_beta(beta: float) -> float:
 def bias_correction(beta: float, step: Tensor) -> Tensor:
     """``1 - beta**step`` in fp32 as ``-expm1(step * log(beta))``, so small steps keep their precision;
     ``step`` fp32, ``log(beta)`` rounded to fp32, their product rounded, then :func:`expm1_nonpositive`."""
-    return -expm1_nonpositive(step * torch.tensor(log_beta(beta), dtype=torch.float32, device=step.device))
+    return -expm1_nonpositive(step * fp32(log_beta(beta)))  # (a Python scalar: no tensor to copy to the device)
 
 
 def _prologue(partials: Tensor, inv_scale: Tensor, max_norm: float, out_stats: Tensor,

@@ -305,7 +305,7 @@ def _saved_scales(key: str, e: dict, n: int) -> Optional[Tensor]:
     first = fields[::sp.QBLOCK]
     if not bool((fields == first.repeat_interleave(sp.QBLOCK)[:n]).all()):
         return None
-    return (first << 23).to(torch.int32).view(torch.float32)
+    return sp.q8_scale(first)
 
 
 def _load_moment(seg, i: int, key: str, e: dict, p: Tensor, states: dict, scales) -> None:
@@ -390,8 +390,8 @@ def torch_state_dict(state_dict: dict) -> dict:
     state = {}
     for k, entry in state_dict["state"].items():
         if isinstance(entry, dict):
-            named = {key[:-len(CODES)]: v for key, v in entry.items() if key.endswith(CODES)}
-            entry = dict({key: v for key, v in entry.items() if not key.endswith(CODES)}, **named)
+            entry = _codes_as_moments(entry, [key[:-len(CODES)] for key in entry if key.endswith(CODES)],
+                                      f"parameter {k}")
             coded = [key for key, v in entry.items() if isinstance(v, Tensor) and v.dtype == torch.uint8
                      and any(isinstance(entry.get(f"{key}{s}"), Tensor) for s in ("_scale", "_exponent"))]
             decoded = {key: _codes_values(key, entry) for key in coded}
