@@ -138,23 +138,6 @@ def check_scalar(name: str, t: Tensor, dtypes: Sequence[torch.dtype], device: to
         raise ValueError(f"{name} must be a 0-d tensor, got shape {tuple(t.shape)}")
 
 
-def check_flat(name: str, t: Tensor, dtypes: Sequence[torch.dtype], device: torch.device, numel: int,
-               backend: str) -> None:
-    """A flat buffer of a step: 1-D, contiguous, ``numel`` elements, 16-byte aligned."""
-    check_device(name, t, device)
-    _dtype_rule(name, t, dtypes, backend)
-    if t.dim() != 1:
-        raise ValueError(f"{name} must be a 1-D flat buffer, got shape {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (a flat buffer), got stride {t.stride()}")
-    if t.numel() != numel:
-        raise ValueError(f"{name} must have {numel} elements like param, got {t.numel()}")
-    if t.data_ptr() % ALIGN:
-        raise ValueError(f"{name} must start at a {ALIGN}-byte aligned address for the {backend} backend "
-                         f"(vector loads), got address {t.data_ptr():#x} (offset {t.storage_offset()} "
-                         "elements into its storage)")
-
-
 def check_step(backend: str, params, grads, master: Optional[Tensor], states, steps: Tensor, partials: Tensor,
                inv_scale: Tensor, lr: Tensor, out_stats: Tensor, seed: Optional[Tensor] = None,
                state_scales: Optional[Tensor] = None) -> tuple:

@@ -113,16 +113,19 @@ class ShardSegment:
         master_dtype, moments = state_dtypes(precision, space.dtype, use_master)
         # 8-bit moments: pieces start at multiples of QBLOCK (each block of codes is one parameter's), as the step
         # op lays them out; the space's alignment makes every piece start at a block of its parameter
-        self.offsets, self.total = (state_layout(self.lengths, sp.QBLOCK) if moments == torch.uint8
+        self.offsets, self.total = (state_layout(self.lengths, sp.QBLOCK) if moments == torch.uint8 and state_names
                                     else state_layout(self.lengths))
         self.master: Optional[Tensor] = (torch.zeros(self.total, dtype=master_dtype, device=device)
                                          if master_dtype is not None else None)  # remainders 0: the weights' values
+        # the states a step of this group reads (SGD's momentum buffer only once a step has momentum: then
+        # :meth:`with_states`)
         self.states: Dict[str, Tensor] = {name: torch.zeros(self.total, dtype=moments, device=device)
                                           for name in state_names}
-        # 8-bit moments' block scales: one row per moment (state_names' order), one column per block of the flat
+        # 8-bit moments' block scales: one row per moment (``states``' order), one column per block of the flat
         # buffers (zero scales decode fresh all-zero codes as zeros)
         self.scales: Optional[Tensor] = (torch.zeros(len(state_names), sp.q8_blocks(self.total), **f32)
-                                         if moments == torch.uint8 else None)
+                                         if moments == torch.uint8 and state_names else None)
+        self.use_master, self.precision, self.pieces = use_master, precision, pieces
         draws = precision.master_format(space.dtype, use_master) == sp.MASTER_NONE
         self.seed: Optional[Tensor] = (shard_seed(precision, group_index, space.dtype, device, space.lo)
                                        if draws or moments in sp.COMPACT_STATE_DTYPES else None)
@@ -146,6 +149,23 @@ class ShardSegment:
         first = self.offsets[k] // sp.QBLOCK
         return slice(first, first + sp.q8_blocks(self.lengths[k]))
 
+    @torch.no_grad()
+    def with_states(self, names) -> "ShardSegment":
+        """This segment laid out for its states and ``names`` (8-bit moments place pieces at multiples of QBLOCK),
+        carrying its masters, states, step counts and lr."""
+        names = tuple(dict.fromkeys([*self.states, *names]))
+        new = ShardSegment(self.space, self.group_index, self.pieces, self.use_master, names, self.precision)
+        for k in range(len(self)):
+            for name, flat in self.states.items():
+                new.piece(new.states[name], k).copy_(self.piece(flat, k))
+                if self.scales is not None:
+                    new.scale_view(name, k).copy_(self.scale_view(name, k))
+            if self.master is not None:
+                new.piece(new.master, k).copy_(self.piece(self.master, k))
+        new.steps.copy_(self.steps)
+        new.has_state, new.lr_value = list(self.has_state), None
+        return new
+
     def scale_view(self, name: str, k: int, scales: Optional[Tensor] = None) -> Tensor:
         """Piece ``k``'s block scales of moment ``name`` (a view of ``scales``, the segment's by default)."""
         scales = self.scales if scales is None else scales
@@ -164,8 +184,10 @@ class ShardSegment:
         return sum(t.numel() * t.element_size() for t in flats) + self.steps.numel() * self.steps.element_size()
 
 
-def build_spaces(param_groups: List[dict], world: int, rank: int, use_master, state_names: tuple,
+def build_spaces(param_groups: List[dict], world: int, rank: int, use_master, state_names: List[tuple],
                  precision: Precision = Precision(), align: int = 1) -> List[Space]:
+    """This rank's spaces (one per dtype) and their shard segments; ``state_names[gi]``: the states a step of
+    param group ``gi`` reads."""
     by_dtype: Dict[torch.dtype, List[tuple]] = {}
     for gi, g in enumerate(param_groups):
         for p in g["params"]:
@@ -178,7 +200,7 @@ def build_spaces(param_groups: List[dict], world: int, rank: int, use_master, st
         for gi, j, a, n, o in space.pieces():
             per_group.setdefault(gi, []).append((j, a, n, o))
         with torch.no_grad():
-            space.segments = [ShardSegment(space, gi, pieces, use_master(dtype), state_names, precision)
+            space.segments = [ShardSegment(space, gi, pieces, use_master(dtype), state_names[gi], precision)
                               for gi, pieces in per_group.items()]
         spaces.append(space)
     return spaces

@@ -33,7 +33,9 @@ def _whole(s, name: str, dtype: torch.dtype, group) -> Tensor:
     the whole space."""
     local = torch.zeros(s.shard, dtype=dtype, device=s.comm.device)
     for seg in s.segments:
-        flat = seg.master if name in ("master_param", "master_remainder") else seg.states[name]
+        flat = seg.master if name in ("master_param", "master_remainder") else seg.states.get(name)
+        if flat is None:  # (a group whose step has not needed this state)
+            continue
         for k in range(len(seg)):
             seg.shard_piece(local, k).copy_(seg.piece(flat, k))
     out = torch.empty(s.comm.numel(), dtype=dtype, device=s.comm.device)
@@ -49,6 +51,8 @@ def _whole_scales(s, name: str, group) -> Tensor:
     and shard cuts are at multiples of QBLOCK: parameter ``j``'s blocks start at ``offsets[j] // QBLOCK``)."""
     local = torch.zeros(s.shard // sp.QBLOCK, dtype=torch.float32, device=s.comm.device)
     for seg in s.segments:
+        if name not in seg.states:
+            continue
         for k in range(len(seg)):
             first = seg.shard_offsets[k] // sp.QBLOCK
             local[first:first + sp.q8_blocks(seg.lengths[k])].copy_(seg.scale_view(name, k))
@@ -61,30 +65,37 @@ def export_sharded(opt) -> dict:
     groups, index = _packed_groups(opt)
     state: Dict[int, dict] = {}
     for s in opt._spaces:
-        steps = torch.zeros(2, len(s.params), dtype=torch.float32, device=s.comm.device)
+        # per parameter: its step count, whether it has state, and which of the states its segments hold (SGD's
+        # momentum only once a step needed it): reported by the owner of its first element
+        names = opt.state_names
+        steps = torch.zeros(2 + len(names), len(s.params), dtype=torch.float32, device=s.comm.device)
         for seg in s.segments:
             for k, (j, a) in enumerate(zip(seg.index, seg.starts)):
-                if a == 0:  # the owner of a parameter's first element reports its step count
+                if a == 0:
                     steps[0, j] = seg.steps[k]
                     steps[1, j] = float(seg.has_state[k])
+                    for r, name in enumerate(names):
+                        steps[2 + r, j] = float(name in seg.states)
         C.all_reduce_sum_(steps, opt.process_group)
-        count, has = steps.tolist()  # one read per dtype, at checkpoint time only
+        count, has, *held = steps.tolist()  # one read per dtype, at checkpoint time only
         if not any(has):
             continue
+        names = [name for name, row in zip(names, held) if any(row)]  # (the same on every rank)
         master, moments = state_dtypes(opt._precision, s.dtype, opt._use_master(s.dtype))
-        dtypes = dict.fromkeys(opt.state_names, moments)
+        dtypes = dict.fromkeys(names, moments)
         if master is not None:
             dtypes[master_key(master)] = master
         whole = {name: _whole(s, name, dtype, opt.process_group) for name, dtype in dtypes.items()}
-        scales = ({name: _whole_scales(s, name, opt.process_group) for name in opt.state_names}
+        scales = ({name: _whole_scales(s, name, opt.process_group) for name in names}
                   if moments == torch.uint8 else {})
         for j, p in enumerate(s.params):
             if not has[j]:
                 continue
-            st = {name: whole[name].as_strided(p.shape, p.stride(), s.offsets[j]).clone() for name in opt.state_names}
+            mine = [name for name, row in zip(opt.state_names, held) if row[j]]
+            st = {name: whole[name].as_strided(p.shape, p.stride(), s.offsets[j]).clone() for name in mine}
             first = s.offsets[j] // sp.QBLOCK
-            st.update({f"{name}_scale": flat[first:first + sp.q8_blocks(p.numel())].clone()
-                       for name, flat in scales.items()})
+            st.update({f"{name}_scale": scales[name][first:first + sp.q8_blocks(p.numel())].clone()
+                       for name in mine if name in scales})
             st.update({name: whole[name].as_strided(p.shape, p.stride(), s.offsets[j]).clone()
                        for name in dtypes if name not in opt.state_names})
             state[index[id(p)]] = codes_renamed(opt._export_param_state(st, count[j]), opt.state_names)
@@ -128,10 +139,15 @@ def import_sharded(opt, state_dict: dict) -> None:
                 sources[id(p), key] = sp.q8_quantize(values.float(), sp.q8_signed(key)) if q8 else (values, None)
         return sources[id(p), key]
 
-    built = []
+    built, relaid = [], {}
     with torch.no_grad():
         for s in opt._spaces:
             for seg in s.segments:
+                # a segment without a state the checkpoint holds (SGD's momentum before a step had momentum): one
+                # laid out for it takes its place
+                loaded = [key for j in seg.index if id(s.params[j]) in entries for key in entries[id(s.params[j])][1]]
+                if any(key not in seg.states for key in loaded):
+                    relaid[id(seg)] = seg = seg.with_states(loaded)
                 states = {name: torch.zeros_like(flat) for name, flat in seg.states.items()}
                 scales = torch.zeros_like(seg.scales) if seg.scales is not None else None
                 master = torch.zeros_like(seg.master) if seg.master is not None else None
@@ -162,6 +178,8 @@ def import_sharded(opt, state_dict: dict) -> None:
                                                    else seg.param_piece(k))
                 steps = torch.tensor(steps, dtype=torch.float32).to(seg.steps.device)
                 built.append((seg, states, scales, master, steps, has))
+    for s in opt._spaces:
+        s.segments = [relaid.get(id(seg), seg) for seg in s.segments]
     for seg, states, scales, master, steps, has in built:
         seg.states, seg.scales, seg.master, seg.steps, seg.has_state = states, scales, master, steps, has
         seg.lr_value = None

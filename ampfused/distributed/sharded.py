@@ -139,7 +139,8 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
     def _ensure_layout(self) -> List[Space]:
         if self._spaces is None:
             self._spaces = build_spaces(self.param_groups, self.world_size, self.rank, self._use_master,
-                                        self.state_names, self._precision, self.shard_align)
+                                        [self._state_names_for(g) for g in self.param_groups], self._precision,
+                                        self.shard_align)
             self._layouts = [[layout_of(p) for p in s.params] for s in self._spaces]
             self._remember()
         return self._spaces
@@ -285,10 +286,14 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
         self._stats.copy_(torch.stack([norm, skip]))
 
         for s, pieces in zip(spaces, per_space):
-            for seg, grads in zip(s.segments, pieces):
+            for si, (seg, grads) in enumerate(zip(s.segments, pieces)):
                 if all(g is None for g in grads):
                     continue
                 group = self.param_groups[seg.group_index]
+                needed = self._state_names_for(group)
+                if any(name not in seg.states for name in needed):  # e.g. SGD's momentum, switched on later
+                    s.segments[si] = seg = seg.with_states(needed)
+                    self._bind_state([s.params[j] for j in seg.index if s.params[j] in self.state])
                 max_norm = group["max_grad_norm"]
                 lr = self._lr_tensor(seg)
                 self._update(seg, [seg.param_piece(k) for k in range(len(seg))], grads, group, partials, inv_scale,
@@ -310,6 +315,7 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
         that has state, so code that asks whether the optimizer has state (torch.distributed.checkpoint's
         get_optimizer_state_dict does) gets the same answer on every rank. The whole state: :meth:`state_dict`."""
         where = {}
+        group_of = {id(p): gi for gi, g in reversed(list(enumerate(self.param_groups))) for p in g["params"]}
         for s in self._spaces or ():
             for seg in s.segments:
                 for k, j in enumerate(seg.index):
@@ -318,10 +324,11 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
             seg_k = where.get(id(p))
             if seg_k is None:
                 master, moments = state_dtypes(self._precision, p.dtype, self._use_master(p.dtype))
-                values = {name: torch.empty(0, dtype=moments, device=self._device) for name in self.state_names}
+                names = self._state_names_for(self.param_groups[group_of[id(p)]])
+                values = {name: torch.empty(0, dtype=moments, device=self._device) for name in names}
                 if moments == torch.uint8:
                     values.update({f"{name}_scale": torch.empty(0, dtype=torch.float32, device=self._device)
-                                   for name in self.state_names})
+                                   for name in names})
                 if master is not None:
                     values[master_key(master)] = torch.empty(0, dtype=master, device=self._device)
             else:
@@ -425,4 +432,8 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
         return float(step.item() if isinstance(step, Tensor) else step)
 
     def _state_keys_for_load(self, saved: dict):
+        return self.state_names
+
+    def _state_names_for(self, group: dict) -> tuple:
+        """The states a step of ``group`` reads: allocated by the first step that needs them."""
         return self.state_names

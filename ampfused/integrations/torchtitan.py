@@ -36,8 +36,6 @@ from torchtitan.trainer import Trainer
 from ..optim import FusedAdam, FusedAdamW
 from ..optim import _params as P
 
-TESTED_VERSION = "0.3.0"
-
 _FACTORIES = {"AdamW": FusedAdamW, "Adam": FusedAdam}
 
 # what torch.optim.Adam/AdamW keep in each param group: written into saved state dicts where the fused
@@ -48,14 +46,8 @@ _TORCH_ONLY_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupl
 _FUSED_ONLY_KEYS = ("max_grad_norm",)
 
 
-def _compact_state_option() -> Optional[Dict[str, Any]]:
-    """The fused optimizers' arguments for bfloat16 moments (what torchtitan's ``fused_opt_states_bf16`` asks
-    of torch's Adam), where this ampfused has them."""
-    import inspect
-    params = inspect.signature(FusedAdamW.__init__).parameters
-    if "exp_avg_dtype" in params and "exp_avg_sq_dtype" in params:
-        return {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16}
-    return None
+# what torchtitan's ``fused_opt_states_bf16`` asks of torch's Adam: bfloat16 moments
+_BF16_STATES = {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16}
 
 
 class FusedOptimizersContainer(OptimizersContainer):
@@ -65,7 +57,7 @@ class FusedOptimizersContainer(OptimizersContainer):
     or ``"Adam"`` builds :class:`ampfused.FusedAdamW` / :class:`ampfused.FusedAdam` with the group's
     ``optimizer_kwargs``. ``implementation`` ``"fused"``, ``"foreach"`` and ``"for-loop"`` all run the fused
     step (they only decide the ``fused``/``foreach`` values written into checkpoints, for torchtitan's own
-    container to read back); ``"fused_opt_states_bf16"`` needs the fused optimizers' compact state.
+    container to read back); ``"fused_opt_states_bf16"`` builds them with bfloat16 moments.
 
     ``max_grad_norm`` clips every parameter's gradient to that total norm inside the step (set from
     ``training.max_norm`` by :class:`FusedTrainer`); the clip needs one fused optimizer per rank, so it refuses
@@ -90,12 +82,7 @@ class FusedOptimizersContainer(OptimizersContainer):
                                  "torchtitan's OptimizersContainer for other optimizers)")
         fused_kwargs: Dict[str, Any] = {"max_grad_norm": config.max_grad_norm, "backend": config.backend}
         if config.implementation == "fused_opt_states_bf16":
-            option = _compact_state_option()
-            if option is None:
-                raise ValueError("FusedOptimizersContainer: implementation='fused_opt_states_bf16' asks for "
-                                 "bfloat16 optimizer states, which this ampfused's fused optimizers do not keep; "
-                                 "set optimizer.implementation to 'fused'")
-            fused_kwargs.update(option)
+            fused_kwargs.update(_BF16_STATES)
         names = sorted({pg.optimizer_name for pg in config.param_groups})
         if config.max_grad_norm is not None and len(model_parts) * len(names) > 1:
             raise ValueError(f"FusedOptimizersContainer: max_grad_norm clips by the norm of every gradient, which "

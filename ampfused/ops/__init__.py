@@ -139,10 +139,6 @@ def _step_dtypes(params, grads, master) -> tuple:
     return _dtypes(params[0] if params else None, g, master if master is None or master.is_floating_point() else None)
 
 
-def _step_device(steps: Tensor) -> torch.device:
-    return steps.device
-
-
 def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,
                exp_avg_sq: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
                out_stats: Tensor, *, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,

@@ -37,7 +37,6 @@ STREAM_WEIGHT, STREAM_STATE1, STREAM_STATE2 = 0, 1, 2
 MASTER_FP32 = 0        # fp32 master buffer, or fp32 parameters that are their own master
 MASTER_REMAINDER = 1   # int16 remainders beside bf16 parameters
 MASTER_NONE = 2        # bf16 parameters, no master, stochastic rounding
-MASTER_FORMATS = {MASTER_FP32: "fp32", MASTER_REMAINDER: "remainder", MASTER_NONE: "none"}
 
 
 def _mul32(x, c: int):

@@ -177,6 +177,14 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
                 continue
             self._validate_group(group, f" in param_groups[{gi}]")
             checked[gi] = key
+            self._provide_states(gi, group)
+
+    def _provide_states(self, gi: int, group: dict) -> None:
+        """Group ``gi``'s segments rebuilt, carrying their state, when its step now reads a state they lack (SGD's
+        momentum buffer once a scheduler or the loop switches momentum on): checked when the group changed."""
+        needed = self._state_names_for(group)
+        if any(name not in seg.states for seg in self._segments if seg.group_index == gi for name in needed):
+            self._repack({gi})
 
     @staticmethod
     def _check_divisor(grad_divisor) -> None:
@@ -469,6 +477,10 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         return float(step.item() if isinstance(step, Tensor) else step)
 
     def _state_keys_for_load(self, saved: dict):
+        return self.state_names
+
+    def _state_names_for(self, group: dict) -> tuple:
+        """The states a step of ``group`` reads: allocated by the first step that needs them."""
         return self.state_names
 
     # --- copies and pickles -------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import _params as P
 from ._gradients import _shard_groups
 from ._precision import master_key
-from ._segment import LOW_PRECISION, Segment, addresses, build_segment, layout_of, versions
+from ._segment import LOW_PRECISION, Segment, addresses, build_segment, layout_of, local, versions
 from ._state import ParamState
 
 _is = operator.is_
@@ -166,7 +166,7 @@ class FollowParameters:
             if id(old) in previous:
                 seg, i = previous[id(old)]
                 new = next(p for g in self.param_groups for p in g["params"] if id(p) == new_id)
-                if seg.layouts[i][2] == tuple(new.shape):  # same shape: it takes over the old one's state
+                if seg.layouts[i][2] == tuple(local(new).shape):  # same shape: it takes over the old one's state
                     previous[new_id] = (seg, i)
         devices = {}
         for gi, k, p in everything:
@@ -178,9 +178,10 @@ class FollowParameters:
                                      "parameters need fp32 master weights")
             devices.setdefault(p.device, (gi, k, p))
             old = previous.get(id(p))
-            if old is not None and old[0].layouts[old[1]][2] != tuple(p.shape):
+            # (segments record the shapes of what they update: an FSDP2 parameter's local shard)
+            if old is not None and old[0].layouts[old[1]][2] != tuple(local(p).shape):
                 raise ValueError(f"param_groups[{gi}]['params'][{k}] changed shape from {old[0].layouts[old[1]][2]} "
-                                 f"to {tuple(p.shape)} since the optimizer last saw it: its optimizer state cannot "
+                                 f"to {tuple(local(p).shape)} since the optimizer last saw it: its optimizer state cannot "
                                  "follow (torch.optim's cannot either). Give the optimizer a state dict for the new "
                                  "shape, or build a new optimizer.")
         if len(devices) > 1:
@@ -201,7 +202,7 @@ class FollowParameters:
                     placed.add(id(p))
                     by_dtype.setdefault(p.dtype, []).append(p)
             for dtype, ps in by_dtype.items():
-                segments.append(build_segment(gi, ps, self._use_master(dtype), self.state_names, previous,
+                segments.append(build_segment(gi, ps, self._use_master(dtype), self._state_names_for(group), previous,
                                               getattr(self, "_precision", None)))
         owner = weakref.ref(self)
         for gi in groups_to_pack:
@@ -244,9 +245,6 @@ class FollowParameters:
         for stale in [k for k in st if k not in values and k in masters + self.state_names]:
             dict.__delitem__(st, stale)
         st._bind(values)
-
-    def _ensure_packed(self) -> None:
-        self._follow_parameters()
 
     def _ampfused_device(self) -> torch.device:
         """The device the optimizer's parameters (and so its gradients) are on now."""

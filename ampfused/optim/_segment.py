@@ -81,21 +81,25 @@ class Segment:
         use_master = use_master and self.master_format != sp.MASTER_NONE
         moments = self.precision.moments if (use_master or self.dtype in (torch.float32, torch.bfloat16)) \
             else torch.float32
-        # 8-bit moments: parameters start at multiples of QBLOCK, so each block of codes is one parameter's
+        # 8-bit moments: parameters start at multiples of QBLOCK, so each block of codes is one parameter's (a
+        # segment without states is laid out as the step ops lay out a master alone)
         self.offsets, self.total = state_layout([p.numel() for p in tensors],
-                                                sp.QBLOCK if moments == torch.uint8 else STATE_ALIGN)
+                                                sp.QBLOCK if moments == torch.uint8 and state_names else STATE_ALIGN)
         self.layouts = [layout_of(p) for p in tensors]
         self.contiguous = [p.is_contiguous() for p in tensors]
         self.device_index = p0.get_device()  # what Tensor.get_device() says for tensors on this device
         master_dtype = torch.int16 if self.master_format == sp.MASTER_REMAINDER else torch.float32
         self.master: Optional[Tensor] = (torch.zeros(self.total, dtype=master_dtype, device=self.device)
                                          if use_master else None)  # gaps stay 0
+        # the states a step of this group reads (``state_names``: all of the optimizer's, except SGD's momentum
+        # buffer before a step has momentum, as torch.optim.SGD keeps none until then; a segment that needs more
+        # is rebuilt, carrying its state: FusedOptimizer._provide_states)
         self.states: Dict[str, Tensor] = {name: torch.zeros(self.total, dtype=moments, device=self.device)
                                           for name in state_names}
-        # 8-bit moments' block scales: one row per moment (in state_names' order), one column per block (zero
+        # 8-bit moments' block scales: one row per moment (in ``states``' order), one column per block (zero
         # scales decode fresh all-zero codes as zeros)
         self.scales: Optional[Tensor] = (torch.zeros(len(state_names), sp.q8_blocks(self.total), **f32)
-                                         if moments == torch.uint8 else None)
+                                         if moments == torch.uint8 and state_names else None)
         self.seed = (self.precision.segment_seed(group_index, self.dtype, self.device)
                      if self.master_format == sp.MASTER_NONE or moments in sp.COMPACT_STATE_DTYPES else None)
         self.steps = torch.zeros(len(self.params), **f32)
@@ -288,7 +292,10 @@ def build_segment(group_index: int, params: List[Tensor], use_master: bool, stat
     index)``) when it had some: moments and step count follow the parameter to its new device, dtype and
     memory layout; its master is kept where it still rounds to the parameter's values, else rebuilt from
     them (a master of a parameter that had none is built from its values)."""
-    seg = Segment(group_index, params, use_master, state_names, precision)
+    # a state that a parameter had keeps following it, whether or not the group's step reads it now
+    names = tuple(dict.fromkeys([*state_names, *(name for param in params if id(param) in previous
+                                                 for name in previous[id(param)][0].states)]))
+    seg = Segment(group_index, params, use_master, names, precision)
     for i, (param, p) in enumerate(zip(seg.params, seg.tensors())):
         old = previous.get(id(param))
         if old is None:

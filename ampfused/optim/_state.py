@@ -17,7 +17,7 @@ from . import _params as P
 from ..ops import memory_view
 from ..ops import state_precision as sp
 from ._precision import master_key, remainders_from
-from ._segment import is_dtensor, local
+from ._segment import build_segment, is_dtensor, local
 
 
 class ParamState(dict):
@@ -332,9 +332,16 @@ def import_state_dict(opt, state_dict: dict) -> None:
              for seg in opt._segments]
 
     # Build the new buffers aside; swap them in only once all of them are complete.
-    built = []
+    built, relaid = [], {}
     with torch.no_grad():
         for seg, entries in plans:
+            # a segment without a state the checkpoint holds (SGD's momentum, before a step had momentum): one
+            # laid out for it, carrying the rest, takes its place
+            names = tuple(dict.fromkeys([*seg.states, *(k for e in entries if e is not None for k in e[1])]))
+            if len(names) > len(seg.states):
+                relaid[id(seg)] = seg = build_segment(seg.group_index, seg.params, opt._use_master(seg.dtype), names,
+                                                      {id(p): (seg, i) for i, p in enumerate(seg.params)},
+                                                      seg.precision)
             states = {name: torch.zeros_like(flat) for name, flat in seg.states.items()}
             scales = torch.zeros_like(seg.scales) if getattr(seg, "scales", None) is not None else None
             master = torch.zeros_like(seg.master) if seg.master is not None else None
@@ -356,6 +363,7 @@ def import_state_dict(opt, state_dict: dict) -> None:
                     seg.view(master, i).copy_(local(src).reshape(p.shape) if src is not None else p.detach())
             built.append((seg, states, scales, master, torch.tensor(steps, dtype=torch.float32).to(seg.device),
                           [entry is not None for entry in entries]))
+    opt._segments = [relaid.get(id(seg), seg) for seg in opt._segments]
     for seg, states, scales, master, steps, has_state in built:
         seg.states, seg.master, seg.steps, seg.has_state = states, master, steps, has_state
         if scales is not None:

@@ -52,7 +52,7 @@ class SgdMath:
     def _step_op_table(self, seg, backend, group, partials, inv_scale, lr, max_norm) -> None:
         momentum = float(group["momentum"])
         table = (seg.table_address, len(seg), seg.table)
-        backend.sgd_step_table(table, seg.dtype, seg.master, seg.states["momentum_buffer"],
+        backend.sgd_step_table(table, seg.dtype, seg.master, seg.states.get("momentum_buffer"),
                                seg.steps, partials, inv_scale, lr, self._stats, momentum,
                                float(group["dampening"]), float(group["weight_decay"]), bool(group["nesterov"]),
                                max_norm, bool(group["maximize"]), getattr(seg, "seed", None),
@@ -83,6 +83,10 @@ class SgdMath:
 
     def _state_keys_for_load(self, saved: dict):
         return ("momentum_buffer",) if saved.get("momentum_buffer") is not None else ()
+
+    def _state_names_for(self, group: dict) -> tuple:
+        # as torch.optim.SGD: no momentum buffer until a step with momentum needs one
+        return self.state_names if group["momentum"] != 0 else ()
 
 
 class FusedSGD(SgdMath, FusedOptimizer):

@@ -104,14 +104,6 @@ def test_refusals_name_the_setting():
             model_parts=[_model()])
 
 
-@pytest.mark.skipif(tt._compact_state_option() is not None, reason="this ampfused keeps compact state")
-def test_bf16_states_refused_without_compact_state():
-    with pytest.raises(ValueError, match="implementation='fused_opt_states_bf16'"):
-        FusedOptimizersContainer.Config(param_groups=_groups("AdamW"), implementation="fused_opt_states_bf16").build(
-            model_parts=[_model()])
-
-
-@pytest.mark.skipif(tt._compact_state_option() is None, reason="this ampfused keeps no compact state")
 def test_bf16_states_map_to_bf16_moments():
     """torchtitan's ``fused_opt_states_bf16`` (fp32 parameters, bf16 Adam moments) gives the fused optimizers'
     bf16 moments, saved as bf16 under torch's keys as torchtitan's own container saves them."""

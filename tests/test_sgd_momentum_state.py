@@ -1,0 +1,163 @@
+"""FusedSGD keeps a momentum buffer only once a step has momentum, as torch.optim.SGD does: no state bytes for a
+group with ``momentum=0`` in any state-precision mode, the buffer allocated by the first step after a scheduler
+or the loop switches momentum on, state dicts with torch's keys (no ``momentum_buffer`` where torch writes none),
+and a checkpoint with momentum loaded into an optimizer that has none yet."""
+import pytest
+import torch
+
+import ampfused
+from ampfused.ops import state_precision as sp
+from backends import cpu_backends, set_grad
+from oracle import assert_bitwise, assert_close_to_oracle
+
+BF16 = torch.bfloat16
+SIZES = (7, 300, 517)
+MASTER_KEYS = ("master_param", "master_remainder", "step")
+# parameter dtype, options, bytes of momentum state per element once it exists
+MODES = {
+    "fp32-params": (torch.float32, {}, 4),
+    "fp32-master": (BF16, {}, 4),
+    "remainders": (BF16, dict(store_param_remainders=True), 4),
+    "no-master": (BF16, dict(bf16_stochastic_round=True), 4),
+    "bf16-momentum": (BF16, dict(momentum_dtype=BF16), 2),
+    "q8-momentum": (BF16, dict(momentum_dtype=torch.uint8), 1),
+    "no-master-q8-momentum": (BF16, dict(bf16_stochastic_round=True, momentum_dtype=torch.uint8), 1),
+}
+
+
+def _params(dtype):
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in SIZES]
+
+
+def _feed(ps, opt, k):
+    g = torch.Generator().manual_seed(100 + k)
+    for p in ps:
+        set_grad(p, torch.randn(p.shape, generator=g))
+    opt.step()
+
+
+def _momentum_bytes(opt, ps) -> int:
+    """Bytes of optimizer state kept beside each parameter's master and step count, from ``optimizer.state``."""
+    return sum(v.numel() * v.element_size() for p in ps for k, v in opt.state[p].items()
+               if isinstance(v, torch.Tensor) and k not in MASTER_KEYS)
+
+
+def _q8_scale_bytes(n: int) -> int:
+    return sp.q8_blocks(n) * 4
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_no_momentum_state_until_a_step_has_momentum(mode, backend):
+    dtype, options, per_element = MODES[mode]
+    ps = _params(dtype)
+    opt = ampfused.FusedSGD(ps, lr=0.05, momentum=0.0, backend=backend, **options)
+    tps = [torch.nn.Parameter(p.detach().float()) for p in ps]
+    topt = torch.optim.SGD(tps, lr=0.05, momentum=0.0)
+    for k in range(2):
+        _feed(ps, opt, k)
+        _feed(tps, topt, k)
+    assert _momentum_bytes(topt, tps) == 0 and _momentum_bytes(opt, ps) == 0
+    assert all(not seg.states and (seg.scales is None or seg.scales.numel() == 0) for seg in opt._segments)
+    assert all("momentum_buffer" not in st for st in opt.state_dict()["state"].values())
+
+    for g in (opt.param_groups[0], topt.param_groups[0]):  # as a scheduler would
+        g["momentum"] = 0.9
+    _feed(ps, opt, 2)
+    _feed(tps, topt, 2)
+    want = sum(p.numel() * per_element + (_q8_scale_bytes(p.numel()) if per_element == 1 else 0) for p in ps)
+    assert _momentum_bytes(opt, ps) == want
+    assert _momentum_bytes(topt, tps) == sum(p.numel() * 4 for p in tps)
+    saved = opt.state_dict()["state"]
+    key = "momentum_buffer_codes" if per_element == 1 else "momentum_buffer"
+    assert all(key in saved[i] for i in range(len(ps)))
+    assert all(opt.state[p]["momentum_buffer"].shape == p.shape for p in ps)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_switched_on_later_equals_a_buffer_of_zeros(mode):
+    """The buffer allocated at the switch holds zeros, as one allocated at the start (and never read) held: the
+    same steps, bit for bit, as an optimizer that stepped with momentum from a zeroed buffer from the start."""
+    dtype, options, _ = MODES[mode]
+    a, b = _params(dtype), _params(dtype)
+    kw = dict(lr=0.05, dampening=0.1, weight_decay=0.01, backend="reference", **options)
+    lazy = ampfused.FusedSGD(a, momentum=0.0, **kw)
+    _feed(a, lazy, 0)
+    eager = ampfused.FusedSGD(b, momentum=0.0, **kw)
+    _feed(b, eager, 0)
+    lazy.param_groups[0]["momentum"] = 0.9
+    # the other one's buffer exists before the switch and holds zeros (loaded as a checkpoint would give it)
+    sd = eager.state_dict()
+    for i, p in enumerate(b):
+        entry = sd["state"].setdefault(i, {})  # (fp32 parameters without momentum: no entry at all)
+        entry["momentum_buffer"] = torch.zeros(p.shape)
+        entry["step"] = torch.tensor(1.0)  # (the step count the switched optimizer has)
+    sd["param_groups"][0]["momentum"] = 0.9
+    eager.load_state_dict(sd)
+    for k in range(1, 4):
+        _feed(a, lazy, k)
+        _feed(b, eager, k)
+    for i, (p, q) in enumerate(zip(a, b)):
+        assert_bitwise(f"param {i}", p, q)
+        assert_bitwise(f"momentum {i}", lazy.state[p]["momentum_buffer"], eager.state[q]["momentum_buffer"])
+
+
+def test_switched_on_later_against_torch():
+    """fp32 parameters, momentum switched on at step 3 (dampening 0, so torch's buffer = g at its first momentum
+    step equals ours = 0.9 * 0 + g): within the oracle rule of torch.optim.SGD and its fp64 twin."""
+    ps = _params(torch.float32)
+    opt = ampfused.FusedSGD(ps, lr=0.05, momentum=0.0, weight_decay=0.01)
+    t32 = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    t64 = [torch.nn.Parameter(p.detach().double()) for p in ps]
+    o32 = torch.optim.SGD(t32, lr=0.05, momentum=0.0, weight_decay=0.01, foreach=False)
+    o64 = torch.optim.SGD(t64, lr=0.05, momentum=0.0, weight_decay=0.01, foreach=False)
+    gen = torch.Generator().manual_seed(4)
+    for k in range(8):
+        if k == 3:
+            for o in (opt, o32, o64):
+                o.param_groups[0]["momentum"] = 0.9
+        grads = [torch.randn(n, generator=gen) for n in SIZES]
+        for p, q, r, g in zip(ps, t32, t64, grads):
+            set_grad(p, g), set_grad(q, g), set_grad(r, g.double())
+        opt.step(), o32.step(), o64.step()
+    for i, (p, q, r) in enumerate(zip(ps, t32, t64)):
+        assert_close_to_oracle(f"param {i}", p.detach(), q.detach(), r.detach())
+
+
+@pytest.mark.parametrize("mode", ["fp32-master", "q8-momentum"])
+def test_checkpoint_with_momentum_loads_into_an_optimizer_without(mode):
+    """A checkpoint saved with momentum loads into a FusedSGD built with ``momentum=0`` that has no buffer yet
+    (its groups take the checkpoint's momentum): both continue bit for bit."""
+    dtype, options, _ = MODES[mode]
+    a, b = _params(dtype), _params(dtype)
+    src = ampfused.FusedSGD(a, lr=0.05, momentum=0.9, backend="reference", **options)
+    for k in range(2):
+        _feed(a, src, k)
+    dst = ampfused.FusedSGD(b, lr=0.05, momentum=0.0, backend="reference", **options)
+    _feed(b, dst, 7)  # steps once without momentum: its segments have no buffer
+    with torch.no_grad():
+        for p, q in zip(a, b):
+            q.copy_(p)
+    dst.load_state_dict(src.state_dict())
+    assert dst.param_groups[0]["momentum"] == 0.9
+    for k in range(2, 4):
+        _feed(a, src, k)
+        _feed(b, dst, k)
+    for i, (p, q) in enumerate(zip(a, b)):
+        assert_bitwise(f"param {i}", p, q)
+        assert_bitwise(f"momentum {i}", src.state[p]["momentum_buffer"], dst.state[q]["momentum_buffer"])
+
+
+def test_torch_state_dict_without_momentum_matches_torch():
+    """Without momentum torch.optim.SGD saves no per-parameter state; FusedSGD on fp32 parameters (no master)
+    saves none either, and each loads the other's."""
+    ps = _params(torch.float32)
+    opt = ampfused.FusedSGD(ps, lr=0.05)
+    tps = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    topt = torch.optim.SGD(tps, lr=0.05)
+    _feed(ps, opt, 0)
+    _feed(tps, topt, 0)
+    assert opt.state_dict()["state"] == topt.state_dict()["state"] == {}
+    opt.load_state_dict(topt.state_dict())
+    topt.load_state_dict(opt.state_dict())
