@@ -60,15 +60,8 @@ class LionMath:
                                 inv_scale, lr, self._stats, beta1, beta2, float(group["weight_decay"]), max_norm,
                                 bool(group["maximize"]), getattr(seg, "seed", None), **_scales_kw(seg))
 
-    # optimi's Lion keeps no step: a parameter's state is its exp_avg (and master); the step count is kept only
-    # where the stochastic rounding's draws are keyed by it, so that a resume draws as the run that never stopped
-    def _export_param_state(self, st: dict, step: float, group: Optional[dict] = None) -> dict:
-        out = {k: v for k, v in st.items() if k != "step"}
-        precision = getattr(self, "_precision", None)
-        if precision is not None and precision.uses_seed:
-            out["step"] = torch.tensor(step, dtype=torch.float32)
-        return out
-
+    # optimi's Lion keeps no step count; this one keeps it (it keys the stochastic rounding's draws, and a resumed
+    # run counts on): an optimi state dict loads as after one step
     def _import_step(self, saved: dict) -> float:
         if "step" in saved:
             return super()._import_step(saved)
