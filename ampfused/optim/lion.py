@@ -89,11 +89,13 @@ def _from_optimi(group):
 
 def optimi_state_dict(state_dict: dict) -> dict:
     """A :class:`FusedLion` state dict in optimi ``Lion``'s layout: fp32 ``exp_avg`` (compact state decoded, as
-    :func:`ampfused.optim.torch_state_dict`), ``kahan_comp`` None, groups with optimi's keys; masters dropped."""
+    :func:`ampfused.optim.torch_state_dict`), ``kahan_comp`` None, groups with optimi's keys; masters dropped.
+    The moments are copies: torch's ``load_state_dict`` keeps a tensor of the parameter's dtype as it is, so a view
+    of this optimizer's buffers would be stepped by both optimizers."""
     sd = torch_state_dict(state_dict)
     state = {}
     for k, e in sd["state"].items():
-        state[k] = ({"exp_avg": e["exp_avg"], "kahan_comp": None} if isinstance(e, dict) and "exp_avg" in e
+        state[k] = ({"exp_avg": e["exp_avg"].clone(), "kahan_comp": None} if isinstance(e, dict) and "exp_avg" in e
                     else e)
     groups = []
     for g in sd["param_groups"]:
