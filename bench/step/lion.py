@@ -65,6 +65,7 @@ def _torch_lion(params, scaled: bool) -> Callable[[], None]:
     masters = [p.detach().float().requires_grad_() for p in params]
     moments = [torch.zeros_like(m) for m in masters]
 
+    @torch.no_grad()
     def step():
         for m, p in zip(masters, params):
             m.grad = p.grad.float()
@@ -89,6 +90,7 @@ def _optimi_lion(params, scaled: bool) -> Optional[Callable[[], None]]:
         return None
     opt = optimi.Lion(params, lr=LR, betas=BETAS, weight_decay=WD, foreach=True, triton=False)
 
+    @torch.no_grad()
     def step():
         if scaled:
             torch._foreach_mul_([p.grad for p in params], 1.0 / SCALE)
