@@ -164,7 +164,7 @@ def main(args, device: torch.device) -> int:
             t = measure.time_steps(step, lambda: None, device, warmup, reps, max_s)
             if master == "kahan":  # optimi on bf16 weights: weight and compensation read + written
                 bpp = 2 + 2 * 2 + 2 * 2 + 2 * mb
-                state = 2 + mb * 2
+                state = 2 + mb  # the compensation and the moment, both bf16
             else:
                 bpp = lion_bytes_per_param(torch.bfloat16, torch.bfloat16, master, mb)
                 state = lion_state_bytes_per_param(master, mb)
