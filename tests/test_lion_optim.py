@@ -203,3 +203,48 @@ def test_group_error_before_any_change():
         opt.step()
     for i, (a, b) in enumerate(zip(snapshot(opt, [p]), before)):
         assert_bitwise(f"tensor {i}", a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_spike_guard_scaler_divisor_without_a_host_read(backend, monkeypatch):
+    """The whole step with a GradScaler, a spike guard and a tensor grad_divisor reads nothing to the host; the
+    guard skips the spike and the scaler the overflow."""
+    params = [torch.nn.Parameter(torch.randn(s).to(torch.float16)) for s in SHAPES]
+    opt = ampfused.FusedLion(params, lr=1e-3, backend=backend, exp_avg_dtype=torch.bfloat16,
+                             spike_guard=ampfused.SpikeGuard(factor=4.0, window=4, warmup=2))
+    scaler = ampfused.GradScaler("cpu", init_scale=256.0)
+    divisor = torch.tensor(2.0)
+
+    def refuse(*a, **k):
+        raise AssertionError("host read during step")
+    for k in range(6):
+        for p, g in zip(params, _grads(k + 60, torch.float32)):
+            set_grad(p, (g * (1000.0 if k == 4 else 1.0) * 256).half())
+        params[0].grad.view(-1)[0] = math.inf if k == 3 else params[0].grad.view(-1)[0]
+        scaler.scale(torch.ones(()))
+        with monkeypatch.context() as mp:
+            for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy"):
+                mp.setattr(torch.Tensor, name, refuse)
+            scaler.step(opt, grad_divisor=divisor)
+            scaler.update()
+        assert bool(opt.last_step_skipped) == (k in (3, 4)), k
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="needs the compiled CPU backend (ampfused._C)")
+@pytest.mark.parametrize("mode", ["fp32-master", "stochastic-round-q8-moment"])
+def test_cpu_bits_do_not_depend_on_the_thread_count(mode):
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            params = [torch.nn.Parameter(torch.randn(40000, generator=torch.Generator().manual_seed(5)).bfloat16())]
+            opt = ampfused.FusedLion(params, **HYPER, backend="cpu", **MODES[mode])
+            for k in range(3):
+                set_grad(params[0], torch.randn(40000, generator=torch.Generator().manual_seed(k)).bfloat16())
+                opt.step()
+            results.append(snapshot(opt, params))
+    finally:
+        torch.set_num_threads(threads)
+    for i, (a, b) in enumerate(zip(*results)):
+        assert_bitwise(f"tensor {i}", a, b)
