@@ -190,3 +190,24 @@ def test_bad_inputs_fail_before_any_change(backend):
             ops.lion_step_(*args.values(), backend=backend, **kw)
     for i, (a, b) in enumerate(zip(prob.tensors(), before)):
         assert_bitwise(f"tensor {i}", a, b)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
+@pytest.mark.parametrize("options", [{}, dict(bf16_stochastic_round=True, exp_avg_dtype=torch.uint8)])
+def test_optimizer_tables_bitwise_reference(backend, options):
+    """FusedLion through the backend's table entry (lion_step_table) against the reference backend's Python path:
+    the same bits without clipping (one coefficient: the inverse scale)."""
+    import ampfused
+    init = [torch.randn(s) for s in ((33, 7), (257,), (1,))]
+    runs = []
+    for be in (backend, "reference"):
+        ps = [torch.nn.Parameter(x.to(BF16)) for x in init]
+        opt = ampfused.FusedLion(ps, lr=1e-2, weight_decay=0.1, backend=be, **options)
+        for k in range(3):
+            for p, g in zip(ps, Problem("fp32-params", params=[(tuple(p.shape), "contiguous", True) for p in ps])
+                            .grads(k, BF16)):
+                p.grad = g
+            opt.step()
+        runs.append([p.detach() for p in ps] + [opt.state[p]["exp_avg"] for p in ps])
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert_bitwise(f"tensor {i}", a, b)
