@@ -16,6 +16,10 @@ __all__ = ["ops", "__version__", "SpikeGuard", "FusedAdam", "FusedAdamW", "Fused
 
 _DISTRIBUTED = ("ShardedFusedAdam", "ShardedFusedAdamW", "ShardedFusedSGD")
 
+from .optim import FusedLion  # noqa: E402
+__all__ += ["FusedLion", "ShardedFusedLion"]
+_DISTRIBUTED += ("ShardedFusedLion",)
+
 
 def __getattr__(name):
     # imported on first use: ampfused.distributed needs torch.distributed, which some builds of torch lack

@@ -2,7 +2,7 @@
 ``triton_kernels``, the name of a package published from the triton repository).
 
 One op per module, the ``@triton.jit`` kernels (prefixed ``_``) followed by their launcher:
-``norm_check`` (K1 and the in-place ``unscale_``), ``adam`` and ``sgd`` (K2), ``update_scale``; ``_common``
+``norm_check`` (K1 and the in-place ``unscale_``), ``adam``, ``sgd`` and ``lion`` (K2), ``update_scale``; ``_common``
 holds the shared prologue, step advance, conversions, the tensor tables and chunk lists the kernels walk, and
 launch geometry; ``_compact`` the compact-state codecs (master remainders, stochastic rounding, bf16 moments)
 and ``_q8`` those of 8-bit moments, both specified in ``ampfused.ops.state_precision``. ``ampfused.ops.triton``

@@ -144,7 +144,9 @@ def _prologue(partials_ptr, stride_row, stride_col, P, inv_scale_ptr, max_norm, 
     found_inf = tl.where(tl.max(flag, axis=0) > 0.0, 1.0, 0.0)
     coef = tl.load(inv_scale_ptr)
     if CLIP:
-        coef = coef * tl.minimum(tl.div_rn(max_norm, norm + 1e-6), 1.0)
+        # max_norm / (norm + 1e-6) as torch evaluates a Python number over a tensor: reciprocal, then times
+        # max_norm (math.h's clip_coef); a correctly rounded division differs from it at an ulp
+        coef = coef * tl.minimum(tl.div_rn(1.0, norm + 1e-6) * max_norm, 1.0)
     if tl.program_id(0) == 0:
         tl.store(out_stats_ptr, norm)
         tl.store(out_stats_ptr + 1, found_inf)

@@ -5,3 +5,6 @@ from .sharded import ShardedFusedOptimizer
 
 __all__ = ["global_sum", "sum_hook", "ShardedFusedAdam", "ShardedFusedAdamW", "ShardedFusedSGD",
            "ShardedFusedOptimizer"]
+
+from .optimizers import ShardedFusedLion  # noqa: E402
+__all__ += ["ShardedFusedLion"]

@@ -8,6 +8,7 @@ import torch
 from ..optim import _precision
 from ..optim.adam import AdamMath
 from ..optim.sgd import SgdMath
+from ..optim.lion import LionMath
 from .sharded import ShardedFusedOptimizer
 
 
@@ -64,6 +65,23 @@ class ShardedFusedSGD(SgdMath, ShardedFusedOptimizer):
         precision = _precision.make(type(self).__name__, master_weights, store_param_remainders, bf16_stochastic_round,
                                     {"momentum_dtype": momentum_dtype}, seed)
         defaults = self.sgd_defaults(lr, momentum, dampening, weight_decay, nesterov, maximize, differentiable)
+        super().__init__(params, defaults, process_group=process_group, grad_reduction=grad_reduction,
+                         max_grad_norm=max_grad_norm, master_weights=master_weights, backend=backend,
+                         spike_guard=spike_guard, precision=precision)
+
+
+class ShardedFusedLion(LionMath, ShardedFusedOptimizer):
+    """Lion with ZeRO-1 sharding; arguments of :class:`ampfused.FusedLion` plus ``process_group`` and
+    ``grad_reduction`` (see :class:`ShardedFusedAdam`), state precision options included (``exp_avg_dtype``)."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
+                 process_group=None, grad_reduction: Optional[str] = "mean", max_grad_norm: Optional[float] = None,
+                 master_weights: Optional[bool] = None, backend: Optional[str] = None, spike_guard=None,
+                 store_param_remainders: bool = False, bf16_stochastic_round: bool = False,
+                 exp_avg_dtype: torch.dtype = torch.float32, seed: int = 0):
+        precision = _precision.make(type(self).__name__, master_weights, store_param_remainders, bf16_stochastic_round,
+                                    {"exp_avg_dtype": exp_avg_dtype}, seed)
+        defaults = self.lion_defaults(lr, betas, weight_decay, maximize)
         super().__init__(params, defaults, process_group=process_group, grad_reduction=grad_reduction,
                          max_grad_norm=max_grad_norm, master_weights=master_weights, backend=backend,
                          spike_guard=spike_guard, precision=precision)

@@ -25,6 +25,7 @@ __all__ = [
     "clip_coef", "num_partials", "state_layout", "memory_view", "available_backends", "registered_backends", "register_backend", "resolve",
     "get_backend", "Backend", "reference",
 ]
+__all__ += ["lion_step_"]
 
 
 def _dtypes(*ts) -> tuple:
@@ -52,7 +53,8 @@ def _pick(device: torch.device, dtypes: tuple, backend: Optional[str]) -> str:
 
 # positions of the arguments each op writes (as declared in library.py's mutates_args)
 _MUTATED = {"norm_check": (), "unscale_": (0,), "update_scale_": (0, 1, 6, 7), "adam_step_": (0, 2, 3, 4, 5, 9),
-            "sgd_step_": (0, 2, 3, 4, 8)}  # adam: params, master, exp_avg, exp_avg_sq, steps, out_stats
+            "sgd_step_": (0, 2, 3, 4, 8),
+            "lion_step_": (0, 2, 3, 4, 8)}  # lion: params, master, exp_avg, steps, out_stats  # adam: params, master, exp_avg, exp_avg_sq, steps, out_stats
 
 
 def _call(op: str, probe: Tensor, *args, **kw):
@@ -68,7 +70,7 @@ def _call(op: str, probe: Tensor, *args, **kw):
             a = args[i]
             if isinstance(a, Tensor):
                 written.append(a)
-            elif i == 0 and op in ("adam_step_", "sgd_step_"):  # only the parameters that had a gradient
+            elif i == 0 and op in ("adam_step_", "sgd_step_", "lion_step_"):  # only the parameters that had a gradient
                 written.extend(p for p, g in zip(a, args[1]) if g is not None)
             elif isinstance(a, (list, tuple)):
                 written.extend(a)
@@ -235,3 +237,20 @@ def call_step_(op: str, *args, seed: Optional[Tensor] = None, state_scales: Opti
     optimizers validate what changed on the host and call this each step, so a step does not re-check every
     tensor."""
     _call(op, args[5] if op == "adam_step_" else args[4], *args, **_compact_kwargs(seed, state_scales))
+
+
+def lion_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,
+               steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, *,
+               beta1: float = 0.9, beta2: float = 0.99, weight_decay: float = 0.0, max_norm: float = math.inf,
+               maximize: bool = False, seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None,
+               backend: Optional[str] = None) -> None:
+    """Fused Lion step; tensors as :func:`adam_step_` with one moment (``exp_avg``: fp32, bf16, or uint8 with
+    ``state_scales`` ``[1, blocks]``); math in :func:`reference.lion_step_`."""
+    params, grads, steps = _as_lists(params, grads, steps)
+    checks.step_inputs(params, grads, master, [("exp_avg", exp_avg)], steps, partials, inv_scale, lr, out_stats,
+                       seed, state_scales)
+    checks.scalars(beta1=beta1, beta2=beta2, weight_decay=weight_decay, max_norm=max_norm)
+    name = _pick(steps.device, _step_dtypes(params, grads, master), backend)
+    _call("lion_step_", steps, params, grads, master, exp_avg, steps, partials, inv_scale, lr, out_stats,
+          float(beta1), float(beta2), float(weight_decay), float(max_norm), bool(maximize), name,
+          **_compact_kwargs(seed, state_scales))

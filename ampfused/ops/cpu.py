@@ -198,5 +198,32 @@ class CpuBackend(Backend):
                              maximize, torch.get_num_threads(), *_N.compact_args(dtype, master, buf, seed),
                              *_N.q8_args(state_scales))
 
+    # ---- Lion -------------------------------------------------------------------------------------------
+    def lion_step_(self, params, grads, master: Optional[Tensor], exp_avg: Tensor, steps: Tensor, partials: Tensor,
+                   inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta1: float, beta2: float,
+                   weight_decay: float, max_norm: float, maximize: bool = False, seed: Optional[Tensor] = None,
+                   state_scales: Optional[Tensor] = None, **options) -> None:
+        """Lion; math and tensors in :func:`ampfused.ops.reference.lion_step_`."""
+        states = [("exp_avg", exp_avg)]
+        compact = _N.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
+                                seed, state_scales)
+        compact = tuple(compact) + _N.q8_args(state_scales)
+        head, tail, keep = self._step_head(params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
+        self._launch_lion(head + [exp_avg.data_ptr()] + tail
+                          + [float(beta1), float(beta2), float(weight_decay), float(max_norm), bool(maximize)],
+                          steps, keep, compact, **options)
+
+    def _launch_lion(self, args, steps: Tensor, keep, compact=(0, 0, 0, 0, 0), **options):
+        if options:
+            raise TypeError(f"the {self.name} backend takes no options, got {sorted(options)}")
+        self._mod().lion_step(*args, *self._device_args(steps.device), *compact)
+
+    def lion_step_table(self, table: tuple, dtype, master, exp_avg, steps, partials, inv_scale, lr, out_stats,
+                        beta1, beta2, weight_decay, max_norm, maximize, seed=None, state_scales=None) -> None:
+        head, tail = self._table_head(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
+        self._mod().lion_step(*head, exp_avg.data_ptr(), *tail, beta1, beta2, weight_decay, max_norm, maximize,
+                              torch.get_num_threads(), *_N.compact_args(dtype, master, exp_avg, seed),
+                              *_N.q8_args(state_scales))
+
 
 BACKEND = CpuBackend()

@@ -340,5 +340,22 @@ class CudaBackend(CpuBackend):
         self._mod().sgd_step(*head, _N.ptr(buf), *tail, float(momentum), float(dampening), float(weight_decay),
                              bool(nesterov), float(max_norm), bool(maximize), *launch)
 
+    # ---- Lion -------------------------------------------------------------------------------------------
+    def lion_step_table(self, table: tuple, dtype, master, exp_avg, steps, partials, inv_scale, lr, out_stats, beta1,
+                        beta2, weight_decay, max_norm, maximize, seed=None, state_scales=None) -> None:
+        head, tail, launch, _part = self._table_step(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
+        launch[-5:] = _N.compact_args(dtype, master, exp_avg, seed) + _N.q8_args(state_scales)
+        self._mod().lion_step(*head, exp_avg.data_ptr(), *tail, beta1, beta2, weight_decay, max_norm, maximize,
+                              *launch)
+
+    def lion_step_(self, params, grads, master, exp_avg, steps, partials, inv_scale, lr, out_stats, beta1, beta2,
+                   weight_decay, max_norm, maximize=False, seed=None, *, state_scales: Optional[Tensor] = None,
+                   single_launch: bool = False) -> None:
+        """Lion step; ``single_launch=True`` fuses K1 over the gradients (writing ``partials``) into it."""
+        head, tail, launch, _part = self._prepare_step(params, grads, master, [("exp_avg", exp_avg)], steps, partials,
+                                                       inv_scale, lr, out_stats, single_launch, seed, state_scales)
+        self._mod().lion_step(*head, exp_avg.data_ptr(), *tail, float(beta1), float(beta2), float(weight_decay),
+                              float(max_norm), bool(maximize), *launch)
+
 
 BACKEND = CudaBackend()

@@ -86,3 +86,19 @@ def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optio
 @sgd_step_.register_fake
 def _(*args):
     return None
+
+
+@torch.library.custom_op("ampfused::lion_step_",
+                         mutates_args=("params", "master", "exp_avg", "steps", "out_stats", "state_scales"))
+def lion_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,
+               steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta1: float,
+               beta2: float, weight_decay: float, max_norm: float, maximize: bool, backend: str,
+               seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None) -> None:
+    get_backend(backend).lion_step_(params, grads, master, exp_avg, steps, partials, inv_scale, lr, out_stats,
+                                    beta1, beta2, weight_decay, max_norm, maximize, seed=seed,
+                                    **_scales(state_scales))
+
+
+@lion_step_.register_fake
+def _(*args):
+    return None

@@ -187,6 +187,14 @@ def bias_correction(beta: float, step: Tensor) -> Tensor:
     return -expm1_nonpositive(step * fp32(log_beta(beta)))  # (a Python scalar: no tensor to copy to the device)
 
 
+def lerp(start: Tensor, end: Tensor, weight: float) -> Tensor:
+    """``torch.lerp(start, end, weight)`` as every backend computes it: the weight rounded to fp32, torch's two
+    forms by its size (``1 - w`` is then exact), each operation rounded as written (torch.lerp itself fuses
+    into an fma where its kernel has one)."""
+    w = fp32(weight)
+    return start + w * (end - start) if abs(w) < 0.5 else end - (end - start) * (1 - w)
+
+
 def _prologue(partials: Tensor, inv_scale: Tensor, max_norm: float, out_stats: Tensor,
               compute_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Reduce partials, record ``[norm, found_inf]`` in ``out_stats``; return ``(coef, skip)`` (0-d)."""
@@ -371,10 +379,7 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
                 w_new = w * (1 - lr_c * weight_decay)
             else:
                 g = g + weight_decay * w
-        # torch.lerp(m, g, 1 - beta1): its weight w rounded to fp32, its two forms by w's size (1 - w exact),
-        # each operation rounded as written (torch.lerp itself fuses into an fma where its kernel has one)
-        w1 = fp32(1 - beta1)
-        m_new = m + w1 * (g - m) if abs(w1) < 0.5 else g - (g - m) * (1 - w1)
+        m_new = lerp(m, g, 1 - beta1)
         v_new = v * beta2 + (1 - beta2) * g * g
         # m_hat / (sqrt(v_hat) + eps), numerator and denominator times sqrt(1 - beta2**t): one division each
         bc2_sqrt = sqrt_rn(bias_correction(beta2, t))
@@ -431,4 +436,45 @@ def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optio
             g = g + momentum * b_new if nesterov else b_new
         w_new = w - lr_c * g
         _commit(skip, pairs + cx.weight_pairs(pm, w_buf, w_new, t, sl))
+        steps[i] += (~skip).to(steps.dtype)
+
+
+def lion_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,
+               steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta1: float,
+               beta2: float, weight_decay: float, max_norm: float, maximize: bool = False,
+               seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None) -> None:
+    """One Lion step (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") over a list of
+    parameters (layout as :func:`adam_step_`). For each parameter ``i`` with a gradient, ``w`` its master (or
+    the parameter itself), ``m`` its ``exp_avg`` slice::
+
+        g = c * grad                      (in the compute dtype; negated if maximize)
+        u = sign(lerp(m, g, 1 - beta1))   (sign(0) = 0; sign(NaN) = 0, as torch.sign on the CPU)
+        w = w * (1 - lr * weight_decay) - lr * u
+        m = lerp(m, g, 1 - beta2)
+        param = round_to_nearest_even(w)  (when a master exists);  steps[i] = steps[i] + 1
+
+    The decay is decoupled and applied first, as optimi's ``Lion`` applies it (``param *= 1 - lr * wd``, then
+    ``param -= lr * u``); here ``1 - lr * weight_decay`` is formed in fp32 from the fp32 ``lr``. ``lerp`` is
+    :func:`lerp` (torch's two forms, no fused multiply-add). ``steps`` is not in the math: it keys the
+    stochastic rounding's draws (``t = steps[i] + 1``). Compact state as :func:`adam_step_` with one moment:
+    a bf16 or uint8 ``exp_avg`` is stored with stream 1, its 8-bit codes signed, its block scales in
+    ``state_scales[0]`` (``[1, blocks]``).
+    """
+    cx = _Compact(params, master, [("exp_avg", exp_avg)], seed, state_scales)
+    cd = cx.cd
+    coef, skip = _prologue(partials, inv_scale, max_norm, out_stats, cd)
+    lr_c = lr.to(cd)
+    decay = 1 - lr_c * weight_decay if weight_decay != 0 else None
+    for i, pm, gm, w_buf, sl in _tensors_to_update(params, grads, master, cx.align):
+        m_buf = exp_avg[sl]
+        w, m = cx.load_weight(pm, w_buf), cx.load_state(m_buf, 0, sl)
+        g = gm.to(cd) * coef
+        if maximize:
+            g = -g
+        t = steps[i].to(cd) + 1
+        c = lerp(m, g, 1 - beta1)
+        u = (c > 0).to(cd) - (c < 0).to(cd)
+        w_new = (w * decay if decay is not None else w) - lr_c * u
+        m_new = lerp(m, g, 1 - beta2)
+        _commit(skip, cx.state_pairs(m_buf, m_new, 0, t, sl) + cx.weight_pairs(pm, w_buf, w_new, t, sl))
         steps[i] += (~skip).to(steps.dtype)

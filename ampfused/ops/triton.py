@@ -271,5 +271,25 @@ class TritonBackend(Backend):
                     lr, out_stats, self._counter(steps.device), momentum, dampening, weight_decay, nesterov,
                     max_norm, maximize, seed, state_scales)
 
+    # ---- Lion -------------------------------------------------------------------------------------------
+    def lion_step_(self, params, grads, master, exp_avg, steps, partials, inv_scale, lr, out_stats, beta1, beta2,
+                   weight_decay, max_norm, maximize=False, seed=None, state_scales=None) -> None:
+        """Lion over lists of parameters and gradients; see :func:`ampfused.ops.reference.lion_step_`."""
+        params, grads = list(params), list(grads)
+        _native.check_step(self.name, params, grads, master, [("exp_avg", exp_avg)], steps, partials, inv_scale, lr,
+                           out_stats, seed, state_scales)
+        k = _kernels("lion")
+        plan = self._step_plan(params, grads, steps, k.CHUNK, _native.layout_align(exp_avg))
+        k.lion_step_(plan, len(params), *self._step_dtypes(params, grads), master, exp_avg, steps, partials,
+                     inv_scale, lr, out_stats, self._counter(steps.device), beta1, beta2, weight_decay, max_norm,
+                     maximize, seed, state_scales)
+
+    def lion_step_table(self, table: tuple, dtype, master, exp_avg, steps, partials, inv_scale, lr, out_stats,
+                        beta1, beta2, weight_decay, max_norm, maximize, seed=None, state_scales=None) -> None:
+        k = _kernels("lion")
+        k.lion_step_(self._table_plan(table, steps, k.CHUNK), table[1], dtype, dtype, master, exp_avg, steps,
+                     partials, inv_scale, lr, out_stats, self._counter(steps.device), beta1, beta2, weight_decay,
+                     max_norm, maximize, seed, state_scales)
+
 
 BACKEND = TritonBackend()

@@ -5,3 +5,6 @@ from ._state import torch_state_dict
 from .sgd import FusedSGD
 
 __all__ = ["FusedAdam", "FusedAdamW", "FusedSGD", "torch_state_dict"]
+
+from .lion import FusedLion, optimi_state_dict  # noqa: E402
+__all__ += ["FusedLion", "optimi_state_dict"]

@@ -105,3 +105,28 @@ def minimal_bytes(numel: int, grad_dtype: torch.dtype, param_dtype: torch.dtype,
 def copy_bytes(nbytes: int) -> int:
     """Bytes a ``dst.copy_(src)`` of ``nbytes`` moves: one read and one write."""
     return 2 * nbytes
+
+
+# Lion (one moment, no step count in its math): per parameter it reads the gradient, reads and writes the weights
+# (an fp32 master and the rounded model copy written, the weight and its remainder, or the weight alone) and its
+# one moment. bf16 gradients and model: fp32 master 2 + 8 + 8 + 2 = 20 B (22 with the gradients read twice, the
+# two-kernel step); remainders 2 + 8 + 8 = 18; no master with an 8-bit moment 2 + 4 + 2 x 1.016 = 8.03.
+
+def lion_bytes_per_param(grad_dtype: torch.dtype, param_dtype: torch.dtype, master: str = "fp32",
+                         moment_bytes: float = FP32) -> float:
+    """Least bytes per parameter a Lion step in a state mode must move, gradients read once (``master`` and
+    ``moment_bytes`` as :func:`mode_bytes_per_param`)."""
+    if master not in MASTER_KINDS:
+        raise ValueError(f"master must be one of {MASTER_KINDS}, got {master!r}")
+    g = torch.empty((), dtype=grad_dtype).element_size()
+    p = torch.empty((), dtype=param_dtype).element_size()
+    if master == "fp32":
+        weights = 2 * FP32 + p if param_dtype != torch.float32 else 2 * p
+    else:
+        weights = 2 * p + (2 * 2 if master == "remainder" else 0)
+    return g + weights + 2 * moment_bytes
+
+
+def lion_state_bytes_per_param(master: str = "fp32", moment_bytes: float = FP32) -> float:
+    """Bytes of Lion's optimizer state per bf16 parameter (the weight itself not counted)."""
+    return {"fp32": FP32, "remainder": 2, "none": 0}[master] + moment_bytes

@@ -120,6 +120,10 @@ def parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     d.add_argument("--dist-timeout", type=float, default=600.0,
                    help="seconds the whole distributed run may take before its processes are killed (default 600)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--optimizer", choices=["adamw", "lion"], default="adamw",
+                   help="lion: FusedLion in its state modes against torch's Lion recipe and optimi's Lion "
+                        "(bench/step/lion.py; --workloads <N>[k|M]x<tensors>, --no-scaler, --warmup, --reps, "
+                        "--max-seconds, --threads, --out, --name apply)")
     return p
 
 
@@ -176,6 +180,9 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
+    if args.optimizer == "lion":
+        from . import lion
+        return lion.main(args, device)
     if args.distributed:
         given = [f"--{k.replace('_', '-')}" for k in _SWEEP_ONLY if getattr(args, k) not in (None, False)]
         if given:

@@ -61,12 +61,22 @@ struct StepBufs {
                  int nthreads);                                                                     \
   }
 
+// Lion (lion_kernels.h), declared apart so that each optimizer's entry stays its own block.
+#define AMPFUSED_CPU_LION_API(ns)                                                                     \
+  namespace ns {                                                                                    \
+  void lion_apply(const StepBufs& b, const StepTensor* ts, const LionConsts* c, int64_t count,     \
+                  int nthreads);                                                                    \
+  }
+
 AMPFUSED_CPU_ISA_API(isa_default)
+AMPFUSED_CPU_LION_API(isa_default)
 #if defined(AMPFUSED_HAVE_AVX2)
 AMPFUSED_CPU_ISA_API(isa_avx2)
+AMPFUSED_CPU_LION_API(isa_avx2)
 #endif
 #if defined(AMPFUSED_HAVE_AVX512)
 AMPFUSED_CPU_ISA_API(isa_avx512)
+AMPFUSED_CPU_LION_API(isa_avx512)
 #endif
 
 }  // namespace cpu

@@ -465,6 +465,8 @@ void sgd_apply(const StepBufs& b, const StepTensor* ts, const SgdConsts* c, int6
   });
 }
 
+#include "lion_kernels.h"
+
 }  // namespace AMPFUSED_ISA
 }  // namespace cpu
 }  // namespace ampfused

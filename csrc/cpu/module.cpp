@@ -241,6 +241,35 @@ void sgd_step(const py::object& table, int64_t count, int param_dtype, int grad_
   }, isa().sgd);
 }
 
+// Lion's driver for the instruction set the kernels run with.
+using LionApply = void (*)(const StepBufs&, const StepTensor*, const LionConsts*, int64_t, int);
+LionApply lion_apply_of(const Isa& i) {
+  const std::string name = i.name;
+#if defined(AMPFUSED_HAVE_AVX512)
+  if (name == "avx512") return isa_avx512::lion_apply;
+#endif
+#if defined(AMPFUSED_HAVE_AVX2)
+  if (name == "avx2") return isa_avx2::lion_apply;
+#endif
+  return isa_default::lion_apply;
+}
+
+void lion_step(const py::object& table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
+               uintptr_t exp_avg, uintptr_t steps, int step_code, uintptr_t partials, int64_t num_partials,
+               uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double beta1, double beta2,
+               double weight_decay, double max_norm, bool maximize, int nthreads, int master_format,
+               int state_dtype, uintptr_t seed, uintptr_t state_scales, int64_t scale_blocks) {
+  std::vector<int64_t> keep;
+  const StepArgs a = step_args(table_address(table, count, &keep), count, param_dtype, grad_dtype, master, exp_avg,
+                               0, steps, step_code, partials, num_partials, inv_scale, lr, lr_code, out_stats,
+                               master_format, state_dtype, seed, state_scales, scale_blocks);
+  const LionApply apply = lion_apply_of(isa());
+  py::gil_scoped_release nogil;
+  run_step<LionConsts>(a, max_norm, nthreads, [&](float coef, float lr_f, double) {
+    return make_lion_consts(coef, lr_f, beta1, beta2, weight_decay, maximize);
+  }, apply);
+}
+
 void update_scale_op(uintptr_t scale, uintptr_t growth_tracker, uintptr_t found_inf, double growth_factor,
                      double backoff_factor, int64_t growth_interval, uintptr_t inv_scale, uintptr_t skipped) {
   const float found = *addr<const float>(found_inf);
@@ -300,6 +329,12 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_partials"), py::arg("inv_scale"), py::arg("lr"), py::arg("lr_code"), py::arg("out_stats"),
         py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"), py::arg("max_norm"),
         py::arg("maximize"), py::arg("num_threads"), py::arg("master_format") = 0, py::arg("state_dtype") = 0,
+        py::arg("seed") = uintptr_t(0), py::arg("state_scales") = uintptr_t(0), py::arg("scale_blocks") = int64_t(0));
+  m.def("lion_step", &lion_step, py::arg("table"), py::arg("count"), py::arg("param_dtype"), py::arg("grad_dtype"),
+        py::arg("master"), py::arg("exp_avg"), py::arg("steps"), py::arg("step_code"), py::arg("partials"),
+        py::arg("num_partials"), py::arg("inv_scale"), py::arg("lr"), py::arg("lr_code"), py::arg("out_stats"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"), py::arg("max_norm"), py::arg("maximize"),
+        py::arg("num_threads"), py::arg("master_format") = 0, py::arg("state_dtype") = 0,
         py::arg("seed") = uintptr_t(0), py::arg("state_scales") = uintptr_t(0), py::arg("scale_blocks") = int64_t(0));
   m.def("update_scale", &update_scale_op, py::call_guard<py::gil_scoped_release>());
 }

@@ -225,6 +225,7 @@ int sm_count(int device);
 std::string prepare_norm(int device);
 std::string prepare_adam(int device);
 std::string prepare_sgd(int device);
+std::string prepare_lion(int device);
 
 }  // namespace cuda
 }  // namespace ampfused

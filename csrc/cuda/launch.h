@@ -85,6 +85,14 @@ std::string adam_step(int device, uintptr_t stream, const StepArgs& args, const 
 std::string sgd_step(int device, uintptr_t stream, const StepArgs& args, const WorkList& work, const SgdHyper& h,
                      int32_t* counter, bool single_launch);
 
+// Lion (lion.cu): one moment, args.state1 = exp_avg.
+struct LionHyper {
+  double beta1, beta2, weight_decay, max_norm;
+  bool maximize;
+};
+std::string lion_step(int device, uintptr_t stream, const StepArgs& args, const WorkList& work, const LionHyper& h,
+                      int32_t* counter, bool single_launch);
+
 // inv_scale (fp32(1 / fp64(new scale))) and skipped (+1 on overflow) are optional outputs (null: none).
 std::string update_scale(int device, uintptr_t stream, float* scale, int32_t* growth_tracker, const float* found_inf,
                          double growth_factor, double backoff_factor, int64_t growth_interval, float* inv_scale,

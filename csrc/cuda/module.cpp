@@ -127,6 +127,21 @@ void sgd_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, u
   check(cuda::sgd_step(device, stream, a, w, h, addr<int32_t>(counter), single_launch));
 }
 
+void lion_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master, uintptr_t exp_avg,
+               uintptr_t steps, int step_code, uintptr_t partials, int64_t P, uintptr_t inv_scale, uintptr_t lr,
+               int lr_code, uintptr_t out_stats, double beta1, double beta2, double weight_decay, double max_norm,
+               bool maximize, int device, uintptr_t stream, uintptr_t chunks, int64_t num_chunks, uintptr_t columns,
+               int64_t num_columns, uintptr_t counter, bool single_launch, int master_format, int state_dtype,
+               uintptr_t seed, uintptr_t state_scales, int64_t scale_blocks) {
+  const StepArgs a = step_args(table, count, param_dtype, grad_dtype, master, exp_avg, 0, steps, step_code, partials, P,
+                               inv_scale, lr, lr_code, out_stats, master_format, state_dtype, seed, state_scales,
+                               scale_blocks);
+  check_state_format(a, num_chunks);
+  const cuda::WorkList w = work_list(a, chunks, num_chunks, columns, num_columns, single_launch);
+  const cuda::LionHyper h{beta1, beta2, weight_decay, max_norm, maximize};
+  check(cuda::lion_step(device, stream, a, w, h, addr<int32_t>(counter), single_launch));
+}
+
 void update_scale_op(uintptr_t scale, uintptr_t growth_tracker, uintptr_t found_inf, double growth_factor,
                   double backoff_factor, int64_t growth_interval, uintptr_t inv_scale, uintptr_t skipped, int device,
                   uintptr_t stream) {
@@ -182,5 +197,13 @@ PYBIND11_MODULE(_C_cuda, m) {
         py::arg("columns"), py::arg("num_columns"), py::arg("counter"), py::arg("single_launch"),
         py::arg("master_format") = 0, py::arg("state_dtype") = 0, py::arg("seed") = uintptr_t(0),
         py::arg("state_scales") = uintptr_t(0), py::arg("scale_blocks") = int64_t(0));
+  m.def("lion_step", &lion_step, py::arg("table"), py::arg("count"), py::arg("param_dtype"), py::arg("grad_dtype"),
+        py::arg("master"), py::arg("exp_avg"), py::arg("steps"), py::arg("step_code"), py::arg("partials"),
+        py::arg("num_partials"), py::arg("inv_scale"), py::arg("lr"), py::arg("lr_code"), py::arg("out_stats"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"), py::arg("max_norm"), py::arg("maximize"),
+        py::arg("device"), py::arg("stream"), py::arg("chunks"), py::arg("num_chunks"), py::arg("columns"),
+        py::arg("num_columns"), py::arg("counter"), py::arg("single_launch"), py::arg("master_format") = 0,
+        py::arg("state_dtype") = 0, py::arg("seed") = uintptr_t(0), py::arg("state_scales") = uintptr_t(0),
+        py::arg("scale_blocks") = int64_t(0));
   m.def("update_scale", &update_scale_op);
 }
