@@ -22,6 +22,13 @@ relative difference of its 50-step window means from the fp32-master run's, afte
 window). The bar: every mode's largest window difference is within 0.5%, or no larger than that of the
 peer run with the nearest state size at or below the mode's (the same format choice made elsewhere).
 Results go to ``<out>/align-modes-<device>.{csv,txt}``.
+
+``--optimizer lion`` and ``--optimizer adafactor`` hold ``ampfused.FusedLion`` and ``ampfused.FusedAdafactor``
+the same way, each mode against that optimizer's own fp32-master run (``ampfused-lion``, ``ampfused-adafactor``),
+to the same bar: Lion (one moment, 4 B in fp32) with remainders, bf16 or 8-bit moments and no master, at lr / 3
+and 3x the weight decay (Lion's update has a unit norm per element); Adafactor (factored second moment: a row and
+a column vector per matrix, no per-element state) with remainders or no master, its relative step size ``lr``
+1e-2 on the run's schedule. Results go to ``<out>/align-modes-<optimizer>-<device>.{csv,txt}``.
 """
 from __future__ import annotations
 
@@ -58,14 +65,59 @@ PEERS = {  # run -> (module, class, options, state bytes per bf16 parameter)
 }
 
 
-class _Mode(T.Optimizing):
-    """FusedAdamW with a mode's options; the clip folded in, as the ``ampfused`` run."""
+_LION_Q8 = dict(exp_avg_dtype=torch.uint8)
+LION_MODES = {  # run -> (FusedLion options, state bytes per bf16 parameter)
+    "ampfused-lion+rem": (dict(store_param_remainders=True), 6),
+    "ampfused-lion+bf16m": (dict(exp_avg_dtype=torch.bfloat16), 6),
+    "ampfused-lion+q8m": (dict(_LION_Q8), 5.02),
+    "ampfused-lion+sr": (dict(bf16_stochastic_round=True), 4),
+    "ampfused-lion+sr+bf16m": (dict(bf16_stochastic_round=True, exp_avg_dtype=torch.bfloat16), 2),
+    "ampfused-lion+sr+q8m": (dict(bf16_stochastic_round=True, **_LION_Q8), 1.02),
+}
+ADAFACTOR_MODES = {  # run -> (FusedAdafactor options, state bytes per bf16 parameter beyond the factors)
+    "ampfused-adafactor+rem": (dict(store_param_remainders=True), 2),
+    "ampfused-adafactor+sr": (dict(bf16_stochastic_round=True), 0),
+}
+ADAFACTOR_LR = 1e-2  # torch.optim.Adafactor's default relative step size, at the schedule's peak
 
-    def __init__(self, model, cfg: M.Config, options: dict):
+
+def _adamw(groups, cfg: M.Config, options: dict):
+    return ampfused.FusedAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, max_grad_norm=cfg.max_norm, **options)
+
+
+def _lion(groups, cfg: M.Config, options: dict):
+    for g in groups:
+        g["weight_decay"] = 3 * g["weight_decay"]
+    return ampfused.FusedLion(groups, lr=cfg.lr / 3, betas=(0.9, 0.99), max_grad_norm=cfg.max_norm, **options)
+
+
+def _adafactor(groups, cfg: M.Config, options: dict):
+    return ampfused.FusedAdafactor(groups, lr=ADAFACTOR_LR, max_grad_norm=cfg.max_norm, **options)
+
+
+# --optimizer -> (the optimizer built from a run's config, its lr relative to the schedule's, reference run, modes)
+OPTIMIZERS = {
+    "adamw": (_adamw, 1.0, "ampfused", MODES),
+    "lion": (_lion, 1 / 3, "ampfused-lion", LION_MODES),
+    "adafactor": (_adafactor, None, "ampfused-adafactor", ADAFACTOR_MODES),
+}
+REFERENCE_BYTES = {"ampfused": 12, "ampfused-lion": 8, "ampfused-adafactor": 4}
+
+
+class _Mode(T.Optimizing):
+    """A fused optimizer with a mode's options; the clip folded in, as the ``ampfused`` run."""
+
+    def __init__(self, model, cfg: M.Config, options: dict, optimizer: str = "adamw"):
         self.model, self.scaler = model, None
         self.params = list(model.parameters())
-        self.opt = ampfused.FusedAdamW(M.param_groups(list(model.named_parameters()), cfg.weight_decay), lr=cfg.lr,
-                                       betas=cfg.betas, eps=cfg.eps, max_grad_norm=cfg.max_norm, **options)
+        build, self.lr_factor, _, _ = OPTIMIZERS[optimizer]
+        # (Adafactor: its relative step size follows the schedule's shape from its own peak)
+        self.lr_factor = self.lr_factor or ADAFACTOR_LR / cfg.lr
+        self.opt = build(M.param_groups(list(model.named_parameters()), cfg.weight_decay), cfg, options)
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = lr * self.lr_factor
 
     def step(self) -> float:
         self.step_optimizer()
@@ -79,7 +131,7 @@ class _Peer(_Mode):
     """A peer's optimizer on the bf16 parameters, after torch's ``clip_grad_norm_``."""
 
     def __init__(self, model, cfg: M.Config, cls, options: dict):
-        self.model, self.scaler, self.cfg = model, None, cfg
+        self.model, self.scaler, self.cfg, self.lr_factor = model, None, cfg, 1.0
         self.params = list(model.parameters())
         self.opt = cls(M.param_groups(list(model.named_parameters()), cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
                        eps=cfg.eps, **options)
@@ -108,12 +160,16 @@ def _peer_class(module: str, name: str):
     return (cls, None) if cls is not None else (None, f"{module} has no {name}")
 
 
-def register(peers: bool = True, device_type: str = "cpu") -> Dict[str, str]:
+def register(peers: bool = True, device_type: str = "cpu", optimizer: str = "adamw") -> Dict[str, str]:
     """Make the runs known to ``bench.align.runs``; returns the peers left out, with the reason."""
     absent = {}
-    for name, (options, _) in MODES.items():
-        T.EXTRA[name] = (torch.bfloat16, lambda model, cfg, device, o=options: _Mode(model, cfg, o))
+    _, _, reference, modes = OPTIMIZERS[optimizer]
+    runs = dict(modes, **({} if reference in T.RUNS else {reference: ({}, REFERENCE_BYTES[reference])}))
+    for name, (options, _) in runs.items():
+        T.EXTRA[name] = (torch.bfloat16, lambda model, cfg, device, o=options: _Mode(model, cfg, o, optimizer))
     for name, (module, cls_name, options, _) in PEERS.items():
+        if optimizer != "adamw":
+            continue  # (the peers run AdamW)
         if not peers:
             absent[name] = "not asked for (--no-peers)"
             continue
@@ -130,7 +186,10 @@ def register(peers: bool = True, device_type: str = "cpu") -> Dict[str, str]:
 
 
 def state_bytes(name: str) -> float:
-    return MODES[name][1] if name in MODES else PEERS[name][3] if name in PEERS else 12
+    for modes in (MODES, LION_MODES, ADAFACTOR_MODES):
+        if name in modes:
+            return modes[name][1]
+    return PEERS[name][3] if name in PEERS else REFERENCE_BYTES[name]
 
 
 def window_figures(run: T.Run, ref: T.Run, cfg: M.Config) -> dict:
@@ -140,11 +199,11 @@ def window_figures(run: T.Run, ref: T.Run, cfg: M.Config) -> dict:
     return dict(max=max(after), mean=sum(after) / len(after), last=after[-1], windows=w)
 
 
-def judge(figs: Dict[str, dict]) -> List[str]:
+def judge(figs: Dict[str, dict], modes: dict = MODES) -> List[str]:
     """One line per mode: PASS/FAIL against 0.5% or the nearest peer of the same or a smaller state."""
     lines = []
     peers = {n: f for n, f in figs.items() if n in PEERS}
-    for name in MODES:
+    for name in modes:
         if name not in figs:
             continue
         f = figs[name]
@@ -159,31 +218,33 @@ def judge(figs: Dict[str, dict]) -> List[str]:
     return lines
 
 
-def execute(cfg: M.Config, device: torch.device, peers: bool = True, log=print) -> tuple:
+def execute(cfg: M.Config, device: torch.device, peers: bool = True, log=print, optimizer: str = "adamw") -> tuple:
     """Train the fp32-master run, every mode and every installed peer; returns (runs, figures, text lines)."""
-    absent = register(peers, device.type)
+    absent = register(peers, device.type, optimizer)
+    _, _, reference, modes = OPTIMIZERS[optimizer]
     data, corpus = M.corpus()
     offsets = M.batch_offsets(len(data), cfg)
     state = M.initial_state(cfg)
-    names = ["ampfused"] + list(MODES) + [p for p in PEERS if p not in absent]
+    names = [reference] + list(modes) + [p for p in PEERS if p not in absent and optimizer == "adamw"]
     runs = {}
     t0 = time.perf_counter()
     for name in names:
         runs[name] = r = T.train(name, cfg, data, offsets, state, device, torch.bfloat16)
         log(f"  {name:>20}: {r.seconds:6.1f} s, loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}")
-    figs = {n: window_figures(r, runs["ampfused"], cfg) for n, r in runs.items() if n != "ampfused"}
-    lines = [f"python -m bench.align --modes: {len(runs)} runs of {cfg.steps} steps, {M.n_params(cfg) / 1e6:.2f}M "
-             f"parameters ({cfg.layers} layers, width {cfg.width}, context {cfg.context}, batch {cfg.batch}); text: "
-             f"{corpus}; wall time {time.perf_counter() - t0:.0f} s",
-             f"relative difference of {cfg.window}-step window means from the fp32-master run (ampfused), windows "
+    figs = {n: window_figures(r, runs[reference], cfg) for n, r in runs.items() if n != reference}
+    flag = "" if optimizer == "adamw" else f" --optimizer {optimizer}"
+    lines = [f"python -m bench.align --modes{flag}: {len(runs)} runs of {cfg.steps} steps, "
+             f"{M.n_params(cfg) / 1e6:.2f}M parameters ({cfg.layers} layers, width {cfg.width}, context {cfg.context}, "
+             f"batch {cfg.batch}); text: {corpus}; wall time {time.perf_counter() - t0:.0f} s",
+             f"relative difference of {cfg.window}-step window means from the fp32-master run ({reference}), windows "
              f"after the {cfg.warmup_steps}-step warm-up", "",
              "| run | state B/param | window max | window mean | last window | final loss |",
              "| --- | --- | --- | --- | --- | --- |"]
     for n, f in figs.items():
         lines.append(f"| {n} | {state_bytes(n)} | {100 * f['max']:.3f}% | {100 * f['mean']:.3f}% | "
                      f"{100 * f['last']:.3f}% | {runs[n].losses[-1]:.4f} |")
-    lines.append(f"| ampfused (reference) | 12 | | | | {runs['ampfused'].losses[-1]:.4f} |")
-    lines += [""] + judge(figs)
+    lines.append(f"| {reference} (reference) | {state_bytes(reference)} | | | | {runs[reference].losses[-1]:.4f} |")
+    lines += [""] + judge(figs, modes)
     lines += [f"absent: {n}: {why}" for n, why in absent.items()]
     return runs, figs, lines
 
@@ -202,7 +263,8 @@ def main(args, device: torch.device, stem: Optional[str], out: str) -> int:
     import os
     cfg = M.Config(steps=args.steps, layers=args.layers, width=args.width, heads=args.heads, context=args.context,
                    batch=args.batch, lr=args.lr, warmup=args.warmup, window=args.window, seed=args.seed)
-    runs, figs, lines = execute(cfg, device, peers=not args.no_peers, log=lambda s: print(s, flush=True))
+    runs, figs, lines = execute(cfg, device, peers=not args.no_peers, log=lambda s: print(s, flush=True),
+                                optimizer=args.optimizer)
     text = "\n".join(lines)
     print(text)
     base = os.path.join(out, stem)

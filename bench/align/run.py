@@ -88,6 +88,9 @@ def parser() -> argparse.ArgumentParser:
                         "low-precision AdamW) against its fp32-master run (bench/align/modes.py); writes "
                         "<out>/align-modes-<device>.{csv,txt}")
     p.add_argument("--no-peers", action="store_true", help="with --modes: leave the other libraries out")
+    p.add_argument("--optimizer", choices=["adamw", "lion", "adafactor"], default="adamw",
+                   help="with --modes: the optimizer whose modes run against its own fp32-master run (default adamw; "
+                        "writes <out>/align-modes-<optimizer>-<device>.{csv,txt} for the others)")
     return p
 
 
@@ -184,7 +187,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit(f"--width {cfg.width} is not a multiple of --heads {cfg.heads}")
     if args.modes:
         from . import modes
-        return modes.main(args, device, args.name or "align-modes-" + envmod.device_stem(device), args.out)
+        which = "" if args.optimizer == "adamw" else args.optimizer + "-"
+        return modes.main(args, device, args.name or f"align-modes-{which}" + envmod.device_stem(device), args.out)
     fp16_compute = T.fp16_compute_dtype(device, args.fp16_compute)
     out = execute(cfg, device, fp16_compute, log=lambda s: print(s, flush=True))
     print("\n".join(out.text.split("\n")[out.head_lines:]))
