@@ -126,3 +126,23 @@ def test_modes_judge():
     assert lines[0].startswith("PASS  ampfused+rem")
     assert lines[1].startswith("FAIL  ampfused+bf16m")  # 2% and no peer of 8 B or less beats... optimi 1% < 2%
     assert lines[2].startswith("PASS  ampfused+sr+bf16m") and "optimi-adamw (4 B) 1.000%" in lines[2]
+
+
+@pytest.mark.parametrize("optimizer", ["lion"])
+def test_modes_of_other_optimizers_run_against_their_own_fp32_run(tmp_path, capsys, optimizer):
+    """``--modes --optimizer lion``: each of the optimizer's modes against its own fp32-master run."""
+    from bench.align import modes
+    _, _, reference, runs = modes.OPTIMIZERS[optimizer]
+    rc = align.main(TINY[:-2] + ["--steps", "16", "--device", "cpu", "--modes", "--optimizer", optimizer,
+                                 "--out", str(tmp_path), "--name", "m"])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    for name, (_, nbytes) in runs.items():
+        assert any(line.startswith(("PASS  ", "FAIL  ")) and f"{name} ({nbytes} B/param)" in line
+                   for line in printed.splitlines()), name
+    with open(tmp_path / "m.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0])[1:] == [reference] + list(runs)
+    losses = {n: [float(r[n]) for r in rows] for n in rows[0] if n != "step"}
+    assert len({v[0] for v in losses.values()}) == 1
+    assert all(v[-1] < v[0] for v in losses.values())
