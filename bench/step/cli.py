@@ -74,7 +74,8 @@ def parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                    help="comma list (all by default: torch-foreach, torch-fused, torch-compile, ampfused-<backend> for "
                         "every backend available on the device)")
     p.add_argument("--modes", action="store_true",
-                   help="add ampfused's compact state modes on every fast backend of the device: +rem (remainders), +bf16m "
+                   help="add ampfused's compact state modes on every fast backend of the device: +rem (remainders), "
+                        "+bf16m "
                         "(bf16 moments), +rem+bf16m, +sr (no master, stochastic rounding), +sr+bf16m "
                         "(bench/step/modes.py; naming one in --variants adds it too)")
     p.add_argument("--peers", action="store_true",

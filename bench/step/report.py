@@ -11,7 +11,8 @@ COLUMNS = ["device", "torch", "triton", "git_sha", "workload", "numel", "tensors
            "pct_of_copy_bw", "speedup_vs_torch_fused", "speedup_vs_torch_foreach", "host_syncs", "launches",
            "peak_mem_mb", "rmw_gbps", "host_ms", "pct_of_rmw_bw", "state_bytes_per_param", "bytes_per_param",
            "weight_dev"]
-OPTIONAL = ("rmw_gbps", "host_ms", "pct_of_rmw_bw", "state_bytes_per_param", "bytes_per_param", "weight_dev")  # columns that runs of older versions lack
+OPTIONAL = ("rmw_gbps", "host_ms", "pct_of_rmw_bw", "state_bytes_per_param", "bytes_per_param",
+            "weight_dev")  # columns that runs of older versions lack
 TORCH_VARIANTS = ("torch-foreach", "torch-fused", "torch-compile")
 
 
@@ -93,7 +94,8 @@ def bandwidth_range(rows: List[dict], column: str) -> Optional[tuple]:
 def table(rows: List[dict]) -> str:
     """A fixed-width table of the results, grouped by workload, dtype and clip."""
     head = ["workload", "grad", "clip", "variant", "median ms", "p20-p80 ms", "host ms", "Mparam/s", "GB/s", "% copy",
-            "% rmw", "x fused", "x foreach", "x best torch", "state B/p", "moved B/p", "dev", "launches", "syncs", "peak MB"]
+            "% rmw", "x fused", "x foreach", "x best torch", "state B/p", "moved B/p", "dev", "launches", "syncs",
+            "peak MB"]
     body = []
     for r in rows:
         best = best_torch_speedup(rows, r)
@@ -148,7 +150,8 @@ def summary(rows: List[dict], device: str, notes: List[str]) -> str:
             "also means part of the working set stayed in cache. x best torch is against the fastest torch variant "
             "measured; dev (the CSV's weight_dev) is how far the row's weights are from the reference after the "
             "check steps, max |w - w_ref| / max |w_ref| over the tensors (bench/step/runner.py: weight_deviation): "
-            "rounding for an fp32-master step, the format's own error for a compact mode or a peer; launches on CPU are outermost operators dispatched, syncs n/a on CPU; host ms (CUDA only) is "
+            "rounding for an fp32-master step, the format's own error for a compact mode or a peer; launches on CPU "
+            "are outermost operators dispatched, syncs n/a on CPU; host ms (CUDA only) is "
             "the time until the step call returned, its kernels queued: the CPU's cost of a step "
             "(bench/common/measure.py)."]
     return "\n".join(out)

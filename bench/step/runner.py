@@ -128,7 +128,7 @@ def run(instances: List[Instance], variants: List[Variant], env: dict, opts: Opt
         expected = run_reference(inst, params, plan)
         own = {inst.label(): (inst, plan, expected)}  # a variant's own configuration: its plan and reference
 
-        def configured(v: Variant):
+        def configured(v: Variant, inst=inst, params=params, own=own):
             mine = v.instance_for(inst)
             if mine.label() not in own:
                 p = make_plan(mine, opts.check_elements)
