@@ -129,8 +129,11 @@ class NativeExtension(Extension):
     """An extension compiled by NativeBuild: per-source extra flags, .cu files through nvcc."""
 
     def __init__(self, name, sources, cxx_flags=(), per_source=None, nvcc=None, nvcc_flags=(),
-                 link_flags=(), defines=()):
+                 link_flags=(), defines=(), split=None, split_macro=""):
         super().__init__(name, sources=sources)
+        # source basename -> N: compiled N times, with -D<split_macro>=0..N-1 (each object a part of its drivers)
+        self.split = split or {}
+        self.split_macro = split_macro
         self.cxx_flags = list(cxx_flags)
         self.per_source = per_source or {}
         self.nvcc = nvcc
@@ -156,30 +159,40 @@ class NativeBuild(build_ext):
             os.makedirs(tmp, exist_ok=True)
             for src in ext.sources:
                 src = os.path.abspath(src)
-                obj = os.path.join(tmp, os.path.relpath(src, ROOT).replace(os.sep, "_") + ".o")
+                stem = os.path.join(tmp, os.path.relpath(src, ROOT).replace(os.sep, "_"))
                 extra = ext.per_source.get(os.path.basename(src), [])
                 if src.endswith(".cu"):
                     cmd = [ext.nvcc] + ext.nvcc_flags + ext.defines + extra
                 else:
                     cmd = [cxx] + base + ext.cxx_flags + ext.defines + extra
-                jobs.append((cmd, src, obj, src.endswith(".cu")))
-                objs.append(obj)
+                parts = ext.split.get(os.path.basename(src))
+                for k in range(parts) if parts else [None]:
+                    obj = stem + ("" if k is None else f".part{k}") + ".o"
+                    jobs.append((cmd + ([] if k is None else [f"-D{ext.split_macro}={k}"]), src, obj,
+                                 src.endswith(".cu")))
+                    objs.append(obj)
             links.append((ext, objs))
         # ampfused._host is optional (the optimizers have a Python path): a failure to build it against the
         # installed torch is reported and the install goes on without it
         host_objs = {obj for ext, objs in links if ext.name == "ampfused._host" for obj in objs}
-        try:
-            self._compile([j for j in jobs if j[2] not in host_objs])
-        except subprocess.CalledProcessError as e:
-            hint = " (AMPFUSED_SKIP_CUDA_BUILD=1 builds without the CUDA backend)" if any(j[3] for j in jobs) else ""
-            raise RuntimeError(f"compiling ampfused's native modules failed: {e}{hint}") from None
+        # compiled alongside the kernel modules (its own ninja file), not after them: the build's time is then
+        # its slowest object, not that plus the host module's
+        with concurrent.futures.ThreadPoolExecutor(1) as side:
+            host_build = side.submit(self._compile, [j for j in jobs if j[2] in host_objs], "host")
+            try:
+                self._compile([j for j in jobs if j[2] not in host_objs])
+            except subprocess.CalledProcessError as e:
+                cuda = any(j[3] for j in jobs)
+                hint = " (AMPFUSED_SKIP_CUDA_BUILD=1 builds without the CUDA backend)" if cuda else ""
+                raise RuntimeError(f"compiling ampfused's native modules failed: {e}{hint}") from None
+            host_error = host_build.exception()
         built = []
         for ext, objs in links:
             out = self.get_ext_fullpath(ext.name)
             os.makedirs(os.path.dirname(out), exist_ok=True)
             try:
-                if ext.name == "ampfused._host":
-                    self._compile([j for j in jobs if j[2] in host_objs])
+                if ext.name == "ampfused._host" and host_error is not None:
+                    raise host_error
                 self._run([cxx, "-shared", "-o", out] + objs + ext.link_flags)
             except subprocess.CalledProcessError as e:
                 if ext.name != "ampfused._host":
@@ -214,12 +227,16 @@ class NativeBuild(build_ext):
         print(" ".join(shlex.quote(c) for c in cmd))
         subprocess.check_call(cmd)
 
-    def _compile(self, jobs):
+    def _compile(self, jobs, name="main"):
+        if not jobs:
+            return
         n = default_jobs()
         ninja = shutil.which("ninja")
         if ninja:
-            path = os.path.join(os.path.abspath(self.build_temp), "build.ninja")
-            lines = ["ninja_required_version = 1.3", f"builddir = {os.path.abspath(self.build_temp)}",
+            root = os.path.join(os.path.abspath(self.build_temp), "ninja", name)  # one per concurrent ninja
+            os.makedirs(root, exist_ok=True)
+            path = os.path.join(root, "build.ninja")
+            lines = ["ninja_required_version = 1.3", f"builddir = {root}",
                      "rule cxx", "  command = $cmd -MMD -MF $out.d -c $in -o $out", "  depfile = $out.d",
                      "  deps = gcc", "  description = CXX $in",
                      "rule cuda", "  command = $cmd -MD -MF $out.d -c $in -o $out", "  depfile = $out.d",
@@ -289,8 +306,11 @@ def native_extensions():
                                              "-mprefer-vector-width=512"]}
         isa_defines = ["-DAMPFUSED_HAVE_AVX2", "-DAMPFUSED_HAVE_AVX512"]
     link = omp + (["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else [])
+    # each instruction set's drivers in three objects (csrc/cpu/kernels_impl.h: AMPFUSED_CPU_PART), compiled in
+    # parallel: as one object per set, the Adam drivers' instantiations made it the build's slowest by far
+    split = {os.path.basename(src): 3 for src in cpu_sources if "kernels_" in src}
     exts = [NativeExtension("ampfused._C", cpu_sources, cxx_flags=flags + omp, per_source=per_source,
-                            link_flags=link, defines=isa_defines)]
+                            link_flags=link, defines=isa_defines, split=split, split_macro="AMPFUSED_CPU_PART")]
     host = host_extension(cxx, host_identity)
     if host is not None:
         exts.append(host)

@@ -1,5 +1,6 @@
 """The step benchmark's state modes and peers: each mode checked by its own rule, a wrong one refused, the state
-bytes measured, the byte model per mode, peers plumbed (a fake one) and absent ones reported with the reason."""
+bytes measured, the byte model per mode, every fast backend's modes added by --modes (the peers:
+tests/test_bench_peers.py)."""
 import os
 import sys
 
@@ -11,7 +12,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench.common.bytes import minimal_bytes_per_param, mode_bytes_per_param  # noqa: E402
-from bench.step import peers, workloads  # noqa: E402
+from bench.step import workloads  # noqa: E402
 from bench.step.ampfused_variant import ampfused_backends  # noqa: E402
 from bench.step.check import CorrectnessError, make_plan, run_reference  # noqa: E402
 from bench.step.modes import MODES, ModeRunner, ModeVariant, bf16_ulp, mode_variants  # noqa: E402
@@ -50,7 +51,7 @@ def test_bf16_ulp():
 def test_every_mode_passes_its_check_and_reports_its_state_bytes(clip, scaler):
     backends = [b for b in ampfused_backends(CPU) if b != "reference"] + ["reference"]
     inst, params, plan, expected = _setup(clip=clip, scaler=scaler)
-    for v in mode_variants(CPU, backends[:1]):
+    for v in mode_variants(CPU, backends[:1], [f"ampfused-{backends[0]}{m.suffix}" for m in MODES]):
         runner = v.build(inst, params)
         v.check_runner(runner, inst, plan, expected)
         bpp = state_bytes_per_param(runner, inst.workload.numel)
@@ -86,41 +87,6 @@ def test_modes_refuse_non_bf16_models():
         ModeVariant("reference", MODES[0]).build(inst, workloads.init_params(inst))
 
 
-def test_peer_plumbing_with_a_fake_peer(monkeypatch):
-    """A fake peer (torch's AdamW on the bf16 weights, no master) passes the peer check; one with the wrong
-    learning rate fails it; an absent package is reported with the reason and the extra to install."""
-    inst, params, plan, expected = _setup()
-
-    class FakeModule:
-        @staticmethod
-        def AdamW(ps, lr, **kw):
-            return torch.optim.AdamW(ps, lr=lr, **kw)
-
-    fake = peers.Peer("fake-adamw", "torchao", "fake_peer_module",
-                      lambda mod, ps, i: mod.AdamW(ps, lr=i.lr, betas=i.betas, eps=i.eps, weight_decay=i.weight_decay))
-    monkeypatch.setitem(sys.modules, "fake_peer_module", FakeModule)
-    v = peers.PeerVariant(fake)
-    runner = v.build(inst, params)
-    v.check_runner(runner, inst, plan, expected)
-    assert 3.9 < state_bytes_per_param(runner, inst.workload.numel) < 4.2  # bf16 moments + step counts
-    assert v.bytes_per_param(inst) > 14
-
-    wrong = peers.Peer("fake-wrong-lr", "torchao", "fake_peer_module",
-                       lambda mod, ps, i: mod.AdamW(ps, lr=10 * i.lr, betas=i.betas, eps=i.eps,
-                                                    weight_decay=i.weight_decay))
-    v = peers.PeerVariant(wrong)
-    with pytest.raises(CorrectnessError, match="fake-wrong-lr"):
-        v.check_runner(v.build(inst, params), inst, plan, expected)
-
-    absent = peers.Peer("fake-absent", "torchao", "no_such_peer_module_here", fake.make)
-    from bench.step.variants import Unavailable
-    with pytest.raises(Unavailable, match=r"not installed.*\.\[peers\]"):
-        peers.PeerVariant(absent).build(inst, params)
-    cuda_only = peers.Peer("fake-cuda", "torchao", "fake_peer_module", fake.make, cuda_only=True)
-    with pytest.raises(Unavailable, match="CUDA only"):
-        peers.PeerVariant(cuda_only).build(inst, params)
-
-
 def test_cli_adds_modes_and_peers(tmp_path, capsys):
     from bench.step import cli
     rc = cli.main(["--device", "cpu", "--workloads", "2000x3", "--dtypes", "bf16", "--clip", "on", "--modes",
@@ -133,10 +99,26 @@ def test_cli_adds_modes_and_peers(tmp_path, capsys):
     assert "flashoptim-adamw on" in out and "unavailable" in out
     import csv
     rows = {r["variant"]: r for r in csv.DictReader(open(tmp_path / "t.csv"))}
-    # --modes adds every mode on the first fast backend to the variants named
+    # --modes adds every mode on every fast backend to the variants named
     fast = [b for b in ampfused_backends(torch.device("cpu")) if b != "reference"]
-    if fast:
-        assert {f"ampfused-{fast[0]}{m.suffix}" for m in MODES} <= set(rows)
+    assert {f"ampfused-{b}{m.suffix}" for b in fast for m in MODES} <= set(rows)
     assert float(rows["ampfused-reference+rem"]["state_bytes_per_param"]) == pytest.approx(10, abs=0.2)
     assert float(rows["ampfused-reference+sr+bf16m"]["bytes_per_param"]) == 14
     assert float(rows["torch-foreach"]["state_bytes_per_param"]) == pytest.approx(12, abs=0.2)
+
+
+def test_modes_cover_every_fast_backend():
+    """On CUDA both GPU backends have their own compact kernels: --modes times the modes on each (the backend list
+    injected as a CUDA machine's; the reference only by name)."""
+    got = [v.name for v in mode_variants(torch.device("cuda"), ["cuda", "triton", "reference"])]
+    assert got == [f"ampfused-{b}{m.suffix}" for b in ("cuda", "triton") for m in MODES]
+    named = mode_variants(CPU, ["cpu", "reference"], ["ampfused-reference+rem"])
+    assert [v.name for v in named] == [f"ampfused-cpu{m.suffix}" for m in MODES] + ["ampfused-reference+rem"]
+
+
+def test_cli_modes_on_every_backend_the_device_has(monkeypatch):
+    from bench.step import cli
+    monkeypatch.setattr(cli, "ampfused_backends", lambda device: ["cuda", "triton", "reference"])
+    args = cli.parser("bench").parse_args(["--modes"])
+    names = {v.name for v in cli.extra_variants(torch.device("cuda"), args)}
+    assert {f"ampfused-{b}{m.suffix}" for b in ("cuda", "triton") for m in MODES} == names

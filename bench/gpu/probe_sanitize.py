@@ -1,5 +1,5 @@
-"""The GPU probe's ``sanitize`` stage: every op and a few fused steps on awkward sizes, each checked against the
-reference backend, as the workload ``compute-sanitizer`` runs under (``python -m bench.gpu.probe sanitize``)."""
+"""The GPU probe's ``sanitize`` stage: every op, a few fused steps on awkward sizes and every state mode
+(probe_modes.py), each checked against the reference backend, as the workload ``compute-sanitizer`` runs under (``python -m bench.gpu.probe sanitize``)."""
 from __future__ import annotations
 
 import math
@@ -243,10 +243,12 @@ def _sanitize_optimizers(rep: Report, device, backend: str) -> None:
 
 
 def probe_sanitize(args) -> int:
+    from .probe_modes import sanitize_modes
     device = pick_device(args.device)
     rep = Report("sanitize", str(device))
     for b in usable_backends(rep, device, args.backends):
         _sanitize_ops(rep, device, b)
         _sanitize_optimizers(rep, device, b)
+        sanitize_modes(rep, device, b)
     sync(device)
     return rep.finish(args.json)

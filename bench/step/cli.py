@@ -74,13 +74,16 @@ def parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                    help="comma list (all by default: torch-foreach, torch-fused, torch-compile, ampfused-<backend> for "
                         "every backend available on the device)")
     p.add_argument("--modes", action="store_true",
-                   help="add ampfused's compact state modes on the first fast backend: +rem (remainders), +bf16m "
+                   help="add ampfused's compact state modes on every fast backend of the device: +rem (remainders), "
+                        "+bf16m "
                         "(bf16 moments), +rem+bf16m, +sr (no master, stochastic rounding), +sr+bf16m "
                         "(bench/step/modes.py; naming one in --variants adds it too)")
     p.add_argument("--peers", action="store_true",
                    help="add other libraries' low-precision AdamW where installed (pip install '.[peers]'): "
-                        "torchao-adamw-sr, torchao-adamw8bit, torchao-adamw4bit, optimi-adamw, optimi-adamw-kahan, "
-                        "flashoptim-adamw (bench/step/peers.py); absent ones are reported with the reason")
+                        "torchao-adamw-sr, torchao-adamw8bit, torchao-adamw4bit, torchao-adamwfp8, optimi-adamw, "
+                        "optimi-adamw-kahan, flashoptim-adamw (bench/step/peers.py), each run as bf16 recipes run, "
+                        "without a loss scaler, and timed with its deviation from the reference (dev); absent ones "
+                        "are reported with the reason")
     p.add_argument("--ampfused-api", choices=["auto", "optimizer", "functional"], default="auto",
                    help="drive ampfused through FusedAdamW (auto: when importable) or the functional ops")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps before timing")
@@ -237,8 +240,10 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
     i0 = instances[0]
     recipe = (f"step: AdamW lr={i0.lr:g} betas={i0.betas} eps={i0.eps:g} weight_decay={i0.weight_decay:g}, "
               f"clip max_norm={i0.max_norm:g} where clip=true, "
-              + (f"loss scaler (init scale {i0.init_scale:g}) in every variant" if i0.scaler else "no loss scaler")
-              + "; bf16/fp16 models keep fp32 master weights")
+              + (f"loss scaler (init scale {i0.init_scale:g}) in every variant but the peers" if i0.scaler
+                 else "no loss scaler")
+              + "; bf16/fp16 models keep fp32 master weights; the peers (--peers) train the bf16 weights as bf16 "
+                "recipes do: no master, no loss scaler")
     notes = [recipe, f"bandwidth at the start of the run: copy_ {copy0:.1f} GB/s, read-modify-write {rmw0:.1f} "
                      "GB/s; each row is compared with samples taken right before and after its timed steps"]
     if opts.rounds > 1:

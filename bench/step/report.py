@@ -9,8 +9,10 @@ from ..common.csv_rows import NA, write_rows
 COLUMNS = ["device", "torch", "triton", "git_sha", "workload", "numel", "tensors", "grad_dtype", "param_dtype",
            "clip", "variant", "backend", "median_ms", "p20_ms", "p80_ms", "gbps_effective", "copy_gbps",
            "pct_of_copy_bw", "speedup_vs_torch_fused", "speedup_vs_torch_foreach", "host_syncs", "launches",
-           "peak_mem_mb", "rmw_gbps", "host_ms", "pct_of_rmw_bw", "state_bytes_per_param", "bytes_per_param"]
-OPTIONAL = ("rmw_gbps", "host_ms", "pct_of_rmw_bw", "state_bytes_per_param", "bytes_per_param")  # columns that runs of older versions lack
+           "peak_mem_mb", "rmw_gbps", "host_ms", "pct_of_rmw_bw", "state_bytes_per_param", "bytes_per_param",
+           "weight_dev"]
+OPTIONAL = ("rmw_gbps", "host_ms", "pct_of_rmw_bw", "state_bytes_per_param", "bytes_per_param",
+            "weight_dev")  # columns that runs of older versions lack
 TORCH_VARIANTS = ("torch-foreach", "torch-fused", "torch-compile")
 
 
@@ -92,7 +94,8 @@ def bandwidth_range(rows: List[dict], column: str) -> Optional[tuple]:
 def table(rows: List[dict]) -> str:
     """A fixed-width table of the results, grouped by workload, dtype and clip."""
     head = ["workload", "grad", "clip", "variant", "median ms", "p20-p80 ms", "host ms", "Mparam/s", "GB/s", "% copy",
-            "% rmw", "x fused", "x foreach", "x best torch", "state B/p", "moved B/p", "launches", "syncs", "peak MB"]
+            "% rmw", "x fused", "x foreach", "x best torch", "state B/p", "moved B/p", "dev", "launches", "syncs",
+            "peak MB"]
     body = []
     for r in rows:
         best = best_torch_speedup(rows, r)
@@ -103,9 +106,12 @@ def table(rows: List[dict]) -> str:
                      f"{int(r['numel']) / float(r['median_ms']) / 1e3:.4g}", r["gbps_effective"],
                      r["pct_of_copy_bw"], rmw, r["speedup_vs_torch_fused"], r["speedup_vs_torch_foreach"],
                      NA if best is None else f"{best:.2f}", _state_cell(r), r.get("bytes_per_param", NA) or NA,
-                     r["launches"], r["host_syncs"], r["peak_mem_mb"]])
+                     r.get("weight_dev", NA) or NA, r["launches"], r["host_syncs"], r["peak_mem_mb"]])
     if all(_num(r.get("state_bytes_per_param", NA)) is None for r in rows):  # CSVs of older versions
         keep = [k for k, h in enumerate(head) if h not in ("state B/p", "moved B/p")]
+        head, body = [head[k] for k in keep], [[b[k] for k in keep] for b in body]
+    if all(_num(r.get("weight_dev", NA)) is None for r in rows):  # CSVs of older versions
+        keep = [k for k, h in enumerate(head) if h != "dev"]
         head, body = [head[k] for k in keep], [[b[k] for k in keep] for b in body]
     if all(_num(r.get("host_ms", NA)) is None for r in rows):  # (host-timed devices: the step's time is host time)
         keep = [k for k, h in enumerate(head) if h != "host ms"]
@@ -142,7 +148,10 @@ def summary(rows: List[dict], device: str, notes: List[str]) -> str:
             "which a CPU's copy_ understates by its write-allocate reads; both against the median of the row's own "
             "samples, taken right before and after its timed steps (bench/common/measure.py: Yardstick); above 100% "
             "also means part of the working set stayed in cache. x best torch is against the fastest torch variant "
-            "measured; launches on CPU are outermost operators dispatched, syncs n/a on CPU; host ms (CUDA only) is "
+            "measured; dev (the CSV's weight_dev) is how far the row's weights are from the reference after the "
+            "check steps, max |w - w_ref| / max |w_ref| over the tensors (bench/step/runner.py: weight_deviation): "
+            "rounding for an fp32-master step, the format's own error for a compact mode or a peer; launches on CPU "
+            "are outermost operators dispatched, syncs n/a on CPU; host ms (CUDA only) is "
             "the time until the step call returned, its kernels queued: the CPU's cost of a step "
             "(bench/common/measure.py)."]
     return "\n".join(out)

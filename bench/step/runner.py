@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import statistics
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -10,7 +11,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..common import measure
-from .check import MAX_ELEMENTS, CorrectnessError, check, make_plan, run_reference
+from .check import MAX_ELEMENTS, CorrectnessError, _pick, check, make_plan, run_reference
 from .report import NA, fill_speedups
 from .variants import TorchCompile, Unavailable, Variant
 from .workloads import DTYPE_NAMES, Instance, init_params
@@ -59,6 +60,26 @@ def state_bytes_per_param(runner, numel: int) -> Optional[float]:
     return measure.storage_bytes([x for t in tensors for x in _leaves(t)]) / numel
 
 
+def weight_deviation(snap, exp, plan) -> Optional[float]:
+    """How far the weights a variant computed are from the reference after the check steps: the largest
+    ``max|w - w_ref| / max|w_ref|`` over the tensors (its fp32 masters where it keeps them, else its model weights;
+    the sampled elements). A correct fp32-master step is off by roundings (about 1e-7); a peer or a compact mode by
+    what its format keeps (a bf16 weight by up to an ulp per update, about 4e-3 of the largest weight)."""
+    got = snap.master if snap.master is not None and exp.master is not None else snap.param
+    want = exp.master if snap.master is not None and exp.master is not None else exp.weights
+    if got is None or want is None:
+        return None
+    worst = 0.0
+    for i, (g, e) in enumerate(zip(got, want)):
+        g64, e64 = _pick(g, plan.sample[i]).double(), e.double()
+        top = e64.abs().max().item() if e64.numel() else 0.0
+        if not bool(torch.isfinite(g64).all()):
+            return math.inf
+        if top > 0:
+            worst = max(worst, (g64 - e64).abs().max().item() / top)
+    return worst
+
+
 def _row(env: dict, inst: Instance, v: Variant, timing: measure.Timing, prof: measure.StepProfile,
          persistent: int, state_bpp: Optional[float]) -> dict:
     wl = inst.workload
@@ -74,7 +95,7 @@ def _row(env: dict, inst: Instance, v: Variant, timing: measure.Timing, prof: me
                 host_syncs=NA if prof.host_syncs is None else prof.host_syncs,
                 launches=NA if prof.launches is None else prof.launches, peak_mem_mb=peak,
                 state_bytes_per_param=NA if state_bpp is None else f"{state_bpp:.3f}", bytes_per_param=f"{bpp:g}",
-                copy_gbps=NA, rmw_gbps=NA, pct_of_copy_bw=NA, pct_of_rmw_bw=NA)
+                weight_dev=NA, copy_gbps=NA, rmw_gbps=NA, pct_of_copy_bw=NA, pct_of_rmw_bw=NA)
 
 
 def _bandwidth_columns(inst: Instance, v: Variant, timing: measure.Timing, bw: measure.Bandwidth) -> dict:
@@ -105,6 +126,14 @@ def run(instances: List[Instance], variants: List[Variant], env: dict, opts: Opt
         params = init_params(inst)
         plan = make_plan(inst, opts.check_elements)
         expected = run_reference(inst, params, plan)
+        own = {inst.label(): (inst, plan, expected)}  # a variant's own configuration: its plan and reference
+
+        def configured(v: Variant, inst=inst, params=params, own=own):
+            mine = v.instance_for(inst)
+            if mine.label() not in own:
+                p = make_plan(mine, opts.check_elements)
+                own[mine.label()] = (mine, p, run_reference(mine, params, p))
+            return own[mine.label()]
         measured = {}  # variant name -> Measured, its rounds pooled
         stopped = set()  # variants not measured again: unavailable or wrong
         for k in range(opts.rounds):
@@ -114,10 +143,11 @@ def run(instances: List[Instance], variants: List[Variant], env: dict, opts: Opt
                 if progress is not None:
                     progress.set_postfix_str(f"{label}: {v.name}" + (f" (round {k + 1})" if opts.rounds > 1 else ""))
                 try:
+                    vi, vplan, vexp = configured(v)
                     if v.name in measured:
-                        measured[v.name] = measured[v.name].pooled(_time_one(inst, v, params, plan, expected, opts))
+                        measured[v.name] = measured[v.name].pooled(_time_one(vi, v, params, vplan, vexp, opts))
                     else:
-                        measured[v.name] = _measure_one(inst, v, params, plan, expected, opts, say)
+                        measured[v.name] = _measure_one(vi, v, params, vplan, vexp, opts, say)
                 except Unavailable as e:
                     if e.permanent:
                         v.disabled = str(e)
@@ -138,8 +168,8 @@ def run(instances: List[Instance], variants: List[Variant], env: dict, opts: Opt
                         progress.update(1)
         for v in variants:
             if v.name in measured:
-                rows.append(measured[v.name].row(env, inst, v))
-        del params, plan, expected
+                rows.append(measured[v.name].row(env, v.instance_for(inst), v))
+        del params, plan, expected, own
         _free(inst.device)
     fill_speedups(rows)
     return Outcome(rows, notes, failures)
@@ -153,6 +183,7 @@ class Measured:
     prof: measure.StepProfile
     persistent: int
     state_bpp: Optional[float]
+    deviation: Optional[float] = None  # weight_deviation after the check steps
 
     def pooled(self, more: Tuple[measure.Timing, Optional[measure.Bandwidth]]) -> "Measured":
         """With another round's steps and bandwidth samples (what a step holds and dispatches: the first's)."""
@@ -161,10 +192,11 @@ class Measured:
         pooled = measure.Timing(self.timing.times_ms + timing.times_ms, host or None)
         bw = None if self.bandwidth is None else measure.Bandwidth(self.bandwidth.copy + bandwidth.copy,
                                                                     self.bandwidth.rmw + bandwidth.rmw)
-        return Measured(pooled, bw, self.prof, self.persistent, self.state_bpp)
+        return Measured(pooled, bw, self.prof, self.persistent, self.state_bpp, self.deviation)
 
     def row(self, env: dict, inst: Instance, v: Variant) -> dict:
         row = _row(env, inst, v, self.timing, self.prof, self.persistent, self.state_bpp)
+        row["weight_dev"] = NA if self.deviation is None else f"{self.deviation:.2g}"
         if self.bandwidth is not None:
             row.update(_bandwidth_columns(inst, v, self.timing, self.bandwidth))
         return row
@@ -176,6 +208,7 @@ def _checked_runner(inst, v, params, plan, expected):
     runner = v.build(inst, params)
     checker = getattr(v, "check_runner", None) or check
     checker(runner, inst, plan, expected)  # raises before anything is timed
+    runner.deviation = weight_deviation(runner.snapshot(), expected, plan)
     return runner
 
 
@@ -210,4 +243,4 @@ def _measure_one(inst, v, params, plan, expected, opts, say) -> Measured:
                                 compiled=isinstance(v, TorchCompile))
     for n in runner.notes:
         say(f"{v.name} on {inst.label()}: {n}")
-    return Measured(timing, bandwidth, prof, persistent, state_bpp)
+    return Measured(timing, bandwidth, prof, persistent, state_bpp, runner.deviation)

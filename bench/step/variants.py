@@ -55,6 +55,7 @@ class Runner:
     variant: str
     backend: str
     notes: List[str] = field(default_factory=list)
+    deviation: Optional[float] = None  # from the reference after the check steps (runner.weight_deviation)
 
     def set_grads(self, grads: List[Tensor]) -> None:
         raise NotImplementedError
@@ -89,6 +90,11 @@ class Variant:
     def bytes_per_param(self, inst: Instance) -> float:
         """The least bytes per parameter its step must move (bench/common/bytes.py); modes override it."""
         return minimal_bytes_per_param(inst.grad_dtype, inst.param_dtype, inst.master)
+
+    def instance_for(self, inst: Instance) -> Instance:
+        """The configuration this variant's users run where the benchmark runs ``inst`` (the peers: without a
+        loss scaler); checked against the reference of that configuration and timed on its gradients."""
+        return inst
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -370,6 +370,10 @@ inline bool is_compact(const StepBufs& b) {
 
 }  // namespace
 
+// AMPFUSED_CPU_PART = 0, 1 or 2 compiles only the drivers of that part (setup.py builds each instruction set's
+// file as three objects, compiled in parallel: one object of all three took most of a build); undefined, all.
+// A driver added here takes a part too (an unguarded one would be defined in every object).
+#if !defined(AMPFUSED_CPU_PART) || AMPFUSED_CPU_PART == 0
 void norm_check(const Buf* bufs, int64_t nbufs, const int64_t* first_chunk, float inv_scale,
                 float* partials, int64_t num_partials, bool unscale, int nthreads) {
   const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, num_partials)));
@@ -393,6 +397,9 @@ void norm_check(const Buf* bufs, int64_t nbufs, const int64_t* first_chunk, floa
   }
 }
 
+#endif
+
+#if !defined(AMPFUSED_CPU_PART) || AMPFUSED_CPU_PART == 1
 void adam_apply(const StepBufs& b, const StepTensor* ts, const AdamConsts* c, int64_t count, int nthreads) {
   if (is_compact(b)) {
     // every tensor's constants in the common form: its loops of their own, as the fp32 state's (same bits)
@@ -429,6 +436,9 @@ void adam_apply(const StepBufs& b, const StepTensor* ts, const AdamConsts* c, in
   });
 }
 
+#endif
+
+#if !defined(AMPFUSED_CPU_PART) || AMPFUSED_CPU_PART == 2
 void sgd_apply(const StepBufs& b, const StepTensor* ts, const SgdConsts* c, int64_t count, int nthreads) {
   if (is_compact(b)) {
     const auto momentum = [](float g, float& w, float& m, float&, const SgdConsts& k) {
@@ -465,7 +475,12 @@ void sgd_apply(const StepBufs& b, const StepTensor* ts, const SgdConsts* c, int6
   });
 }
 
+#endif
+
+// Lion's driver with norm_check, the lightest part
+#if !defined(AMPFUSED_CPU_PART) || AMPFUSED_CPU_PART == 0
 #include "lion_kernels.h"
+#endif
 
 }  // namespace AMPFUSED_ISA
 }  // namespace cpu
