@@ -170,6 +170,11 @@ class ReadGradients:
             return memo[2]
         found = None
         for seg in self._segments:
+            if not seg.sharded and any(p.device != seg.device or p.dtype is not seg.dtype for p in seg.params):
+                # moved or cast since the segment was built: the step follows first (the Python path rebuilds
+                # the segments), and the backend is resolved for where and what the state goes to, never for
+                # what it leaves (a backend forced for the new device would be refused for the old one)
+                return None
             b = ops.registry.get_backend(ops.step_backend(seg.device, seg.step_dtypes, self.backend))
             k1 = ops.registry.get_backend(ops.step_backend(seg.device, (str(seg.dtype),), self.backend))
             if seg.sharded or b is None or not b.takes_tables or k1 is not b or found not in (None, b):
