@@ -311,11 +311,11 @@ def test_the_cuda_backends_table_entries_hand_its_kernels_the_rows_of_its_list_e
     (name, args), = calls
     work = C._works[(0, "table", seg.table_address)]
     assert name == "norm_check_work" and C.stats["uploads"] == uploads + 1
-    assert work.basis == seg.table.tobytes() and work.host[:len(rows)].tolist() == rows
+    assert work.basis == seg.table.tobytes() and work.dev[:len(rows)].tolist() == rows
     # the kernels find the work lists right after the table's ints (4 per row) in the device copy
     assert work.chunks == work.table + 8 * len(rows) and work.columns == work.chunks + 8 * work.num_chunks
     # K1's columns: partials 0..2 of row 0 (3000 elements), 0..1 of row 2 (1500); row 1 has no gradient
-    columns = work.host[len(rows) + work.num_chunks:].tolist()
+    columns = work.dev[len(rows) + work.num_chunks:].tolist()
     assert columns == [0, 1, 2, (2 << 32) | 0, (2 << 32) | 1] and work.num_columns == 5
     assert args == (work.table, work.columns, 5, 0, 1, inv.data_ptr(), partials.data_ptr(), 5, 0, 0)
     assert tuple(partials.shape) == (2, 5)
@@ -329,3 +329,47 @@ def test_the_cuda_backends_table_entries_hand_its_kernels_the_rows_of_its_list_e
     assert name == "adam_step" and C._works[(0, "table", seg.table_address)] is work  # K1's upload, reused
     assert C.stats["uploads"] == uploads + 1
     assert args[:5] == (work.table, 3, 1, 1, seg.master.data_ptr())
+
+
+@needs_host
+@needs_cpu
+def test_the_cuda_backends_cached_work_keeps_no_staging_buffer(monkeypatch):
+    """The CUDA backend's cached device work (its module replaced by a recorder, its upload by a copy as on a
+    device) keeps no staging buffer: a changed table, in a loop whose tables change (fresh gradients), finds the
+    blocks of the tables before it free once their copies are done, and allocates no page-locked memory (a call
+    that CUDA may serve by synchronizing the device)."""
+    from ampfused.ops import cuda as C
+    from test_work_lists import StagingWatch
+
+    class Recorder:
+        STEP_CHUNK, TILE, MAX_PARTIALS_PER_TENSOR, WORK_SHIFT = 4096, 1024, 64, 32
+
+        def __getattr__(self, name):
+            return lambda *args: None
+
+    backend = C.CudaBackend()
+    monkeypatch.setattr(backend, "_mod", lambda: Recorder())
+    monkeypatch.setattr(backend, "_device_args", lambda device: (0, 0))
+    for name, fake in (("_counter", lambda steps: 0), ("_capturing", lambda index: False),
+                       ("_device_index", lambda device: 0), ("_raw_stream", lambda index: 0)):
+        monkeypatch.setattr(C, name, fake)
+    watch = StagingWatch(monkeypatch)
+    C._works.clear()
+
+    params = [torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in (3000, 5, 1500)]
+    opt = ampfused.FusedAdamW(params, lr=0.1, backend="cpu")
+    inv = torch.ones(())
+    for k in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)  # fresh gradients: a changed table each time
+        opt.step()
+        seg = opt._segments[0]
+        partials = backend.norm_check_tables([(seg.table_address, len(seg), seg.dtype, seg.table)], 0, inv)
+        st = seg.states
+        backend.adam_step_table((seg.table_address, len(seg), seg.table), seg.dtype, seg.master, st["exp_avg"],
+                                st["exp_avg_sq"], seg.steps, partials, inv, seg.lr, opt._stats, 0.9, 0.999, 1e-8,
+                                0.0, float("inf"), True, False)
+    assert len(watch.handed_out) == 3 and watch.kept() == 0
+    work = C._works[(0, "table", seg.table_address)]
+    assert work.dev[:seg.table.size].tolist() == seg.table.reshape(-1).tolist()
+    C._works.clear()

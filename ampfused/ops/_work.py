@@ -17,6 +17,11 @@ host and uploads them. Both halves are written so the host never waits for the d
   hand the block out again until that copy has completed (it records an event on the copy's stream). A copy
   from ordinary (pageable) memory would instead let CUDA wait for the stream to drain first: a host wait that
   torch's sync-debug mode does not report.
+* nothing keeps a staging buffer past its copy: freed at once, its block is free again as soon as the copy is
+  done, so the next changed table reuses it. Kept with the cached device work (one block per cache entry, the
+  Python path's entry holding its own for good), a changed table found every block of its size held and had
+  the allocator make a new one: ``cudaHostAlloc``, which CUDA lists among the calls that synchronize
+  implicitly, inside a step, with the device busy.
 """
 from __future__ import annotations
 

@@ -95,15 +95,13 @@ def work_lists(rows, chunk: int, tile: int, max_partials: int, shift: int,
 class _Work:
     """The device copy of one step's tensor table and work lists (one int64 tensor: table, chunks, columns)."""
 
-    __slots__ = ("basis", "codes", "host", "dev", "table", "chunks", "num_chunks", "columns", "num_columns",
+    __slots__ = ("basis", "codes", "dev", "table", "chunks", "num_chunks", "columns", "num_columns",
                  "streams", "captured")
 
-    def __init__(self, basis, codes, host: Tensor, dev: Tensor, num_chunks: int, num_columns: int, stream: int):
-        self.basis, self.codes, self.host, self.dev = basis, codes, host, dev  # what a later table is compared with
+    def __init__(self, basis, codes, dev: Tensor, num_chunks: int, num_columns: int, stream: int):
+        self.basis, self.codes, self.dev = basis, codes, dev  # basis, codes: what a later table is compared with
         self.table = dev.data_ptr()
-        self.chunks = self.table + 8 * (host.numel() - num_chunks - num_columns)  # past the table's ints
-        # (host is the staged [table | chunks | columns], page-locked: kept until the entry goes, so its block is
-        # not handed out again while this entry may still be uploaded from; the allocator's event covers the rest)
+        self.chunks = self.table + 8 * (dev.numel() - num_chunks - num_columns)  # past the table's ints
         self.num_chunks = num_chunks
         self.columns = self.chunks + 8 * num_chunks
         self.num_columns = num_columns
@@ -196,10 +194,12 @@ class CudaBackend(CpuBackend):
             mod = self._mod()
             host, num_chunks, num_columns = work_lists(rows_of(), mod.STEP_CHUNK, mod.TILE,
                                                        mod.MAX_PARTIALS_PER_TENSOR, mod.WORK_SHIFT, device)
-            # from page-locked memory: an asynchronous copy ordered on the current stream, no host wait
+            # from page-locked memory: an asynchronous copy ordered on the current stream, no host wait; the
+            # staging block goes back to the allocator now, which hands it out again only once this copy is done
             dev = _work.upload(host, device)
+            del host
             stats["uploads"] += 1
-            new = _Work(basis(), codes, host, dev, num_chunks, num_columns, stream)
+            new = _Work(basis(), codes, dev, num_chunks, num_columns, stream)
             old = _works.pop(key, None)
             if old is not None:
                 _retire(old)
