@@ -17,6 +17,7 @@ read to the host.
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from typing import Dict, List, Optional
 
@@ -31,6 +32,10 @@ from ._follow import _OWNERS, FollowParameters
 from ._gradients import _Batch, _host, _NO_GRAD, _shard_groups, ReadGradients
 from ._segment import LOW_PRECISION, Segment, versions
 from ._state import _StateMap, export_state_dict, import_state_dict, run_load_pre_hooks, state_dict_with_hooks
+from ._step_call import hooked_step
+
+_is = operator.is_
+_PLAIN = (float, int, bool, str, type(None))  # hyperparameter values that cannot change in place
 
 
 def _append_flag(partials: Tensor, flag: Tensor) -> Tensor:
@@ -170,13 +175,19 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         if checked is None:
             checked = self._checked_hyper = {}
         for gi, group in enumerate(self.param_groups):
+            last = checked.get(gi)
+            # the same objects under the same keys, none of which can change in place: nothing to compare
+            if last is not None and last[0] is not None and len(group) == len(last[0]) and \
+                    all(map(_is, group, last[0])) and all(map(_is, group.values(), last[1])):
+                continue
             # a list is compared by a copy of its items, tensors (alone or in a tuple or list) by identity and
             # version counter: comparing tensors by value could read a device tensor
             key = [(k, _hyper_key(v)) for k, v in group.items() if k != "params"]
-            if checked.get(gi) == key:
-                continue
-            self._validate_group(group, f" in param_groups[{gi}]")
-            checked[gi] = key
+            if last is None or last[2] != key:
+                self._validate_group(group, f" in param_groups[{gi}]")
+            plain = all(type(v) in _PLAIN or type(v) is tuple and all(type(x) in _PLAIN for x in v)
+                        for k, v in group.items() if k != "params")
+            checked[gi] = (tuple(group) if plain else None, tuple(group.values()), key)
 
     @staticmethod
     def _check_divisor(grad_divisor) -> None:
@@ -226,7 +237,7 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
             partials = _append_flag(partials, found_inf.float())
         return partials, inv_scale
 
-    @torch.no_grad()
+    @hooked_step
     def step(self, closure=None, *, grad_divisor=None, loss: Optional[Tensor] = None):
         """One fused step over every parameter that has a gradient. ``grad_divisor`` (number or device
         tensor) divides the gradients exactly, folded into the unscale coefficient, so the norm, clip and inf

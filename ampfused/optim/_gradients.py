@@ -21,6 +21,7 @@ from ._segment import Segment, is_dtensor
 
 
 _NO_GRAD = -1  # the numel column of a table row without a gradient (step_args.h)
+_SIZES = 2  # ampfused._host.CHANGED_SIZES: the scan changed a numel column
 
 
 def _host():
@@ -150,9 +151,13 @@ class ReadGradients:
         chunk = backend.table_chunk
         dtypes = set()
         for seg in self._segments:
-            status, _, active, chunks = host.scan(seg.params, seg.record_address, seg.table_address, chunk)
+            status, _, active, chunks, changed = host.scan(seg.params, seg.record_address, seg.table_address,
+                                                           chunk)
             if status:
+                seg.restamp()  # the table is partly written: no copy of it may be taken for current
                 return None
+            if changed:
+                seg.restamp(sizes=bool(changed & _SIZES))
             batch.counts.append(active)
             batch.chunks += chunks
             if active:
@@ -219,8 +224,8 @@ class ReadGradients:
         every rank clips by the global norm and skips on an overflow anywhere."""
         if batch.tables:
             return batch.backend.norm_check_tables(
-                [(seg.table_address, len(seg), seg.dtype, seg.table) for seg, n in zip(self._segments, batch.counts)
-                 if n],
+                [(seg.table_address, len(seg), seg.dtype, seg.table, seg.stamps)
+                 for seg, n in zip(self._segments, batch.counts) if n],
                 batch.chunks, inv_scale)
         partials = ops.call_k1(op, batch.active, inv_scale, batch.dtypes, self.backend)
         if not self._shard_groups:
