@@ -103,6 +103,14 @@ def staging(n: int, device: torch.device) -> Tuple[torch.Tensor, numpy.ndarray]:
     return buf, view
 
 
+def upload_table(address: int, n: int, device: torch.device) -> torch.Tensor:
+    """The device copy of ``n`` int64 at host ``address`` (a tensor table), staged as :func:`staging` stages and
+    uploaded as :func:`upload` uploads; on the CPU a copy of its own (the table is rewritten in place)."""
+    host = torch.empty(max(n, 1), dtype=torch.int64, pin_memory=device.type == "cuda")
+    ctypes.memmove(host.data_ptr(), address, 8 * n)
+    return upload(host, device)
+
+
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The device copy of ``host`` (from :func:`staging`), ordered on the current stream, with no host wait on a
     CUDA device (the source is page-locked). On the CPU (the Triton interpreter) the buffer itself."""

@@ -175,13 +175,13 @@ class CudaBackend(CpuBackend):
         return self._cached_work(key, lambda w: w.basis == rows and w.codes == codes, lambda: rows, lambda: rows,
                                  codes, steps.device, check)
 
-    def _table_work(self, table, code: int, device: torch.device, stamps=None) -> _Work:
+    def _table_work(self, table, code: int, device: torch.device, stamps=None, address=None) -> _Work:
         """The cached device work of a fused optimizer's segment, from its host tensor table (written in place by
         ampfused._host before each step): reused while the table holds the ints last uploaded, uploaded again
         when any changed. ``stamps`` (``Segment.stamps``) say so without reading the table: a new first stamp
         alone (new addresses, as fresh gradient tensors bring) uploads the table and keeps the work lists on
         the device; without stamps the table's bytes are compared with those last uploaded."""
-        key = (_device_index(device), "table", table.ctypes.data)
+        key = (_device_index(device), "table", table.ctypes.data if address is None else address)
         codes = (code, code)
         if stamps is None:
             now = table.tobytes()
@@ -190,10 +190,11 @@ class CudaBackend(CpuBackend):
         stamps = tuple(stamps)
         return self._cached_work(key, lambda w: w.basis == stamps and w.codes == codes, lambda: table,
                                  lambda: stamps, codes, device, lambda: None,
-                                 lambda w: type(w.basis) is tuple and w.basis[1] == stamps[1] and w.codes == codes)
+                                 lambda w: type(w.basis) is tuple and w.basis[1] == stamps[1] and w.codes == codes,
+                                 key[2])
 
     def _cached_work(self, key, same, rows_of, basis, codes, device: torch.device, check,
-                     same_sizes=lambda w: False) -> _Work:
+                     same_sizes=lambda w: False, address=None) -> _Work:
         index = key[0]
         stream = _raw_stream(index)
         capturing = _capturing(index)
@@ -208,11 +209,8 @@ class CudaBackend(CpuBackend):
             check()
             if work is not None and same_sizes(work):
                 # only addresses changed: the table alone goes up, the work lists on the device stay
-                rows = _work.as_table(rows_of(), _work.TABLE_COLS)
-                host, view = _work.staging(rows.size, device)
-                view[:] = rows.reshape(-1)
-                dev = _work.upload(host, device)
-                del host, view
+                rows = rows_of()
+                dev = _work.upload_table(rows.ctypes.data if address is None else address, rows.size, device)
                 new = _Work(basis(), codes, dev, work.num_chunks, work.num_columns, stream, lists=work)
             else:
                 mod = self._mod()
@@ -302,7 +300,7 @@ class CudaBackend(CpuBackend):
         """K1 over the segments' gradients: one launch per segment, from the device copy of its tensor table and
         K1 column list (the work its step reads too), into consecutive columns of one partials tensor."""
         device = inv_scale.device
-        works = [(self._table_work(s[3], _N.DTYPE_CODES[s[2]], device, s[4] if len(s) > 4 else None),
+        works = [(self._table_work(s[3], _N.DTYPE_CODES[s[2]], device, s[4] if len(s) > 4 else None, s[0]),
                   _N.DTYPE_CODES[s[2]]) for s in segments]
         p = sum(w.num_columns for w, _ in works)
         partials = torch.empty(2, p, dtype=torch.float32, device=device)
@@ -318,7 +316,7 @@ class CudaBackend(CpuBackend):
         """What :meth:`_prepare_step` returns, from a segment's table (checked by ampfused._host) instead of
         the tensors: the device work is the cached one while the table's rows stay the same."""
         code = _N.DTYPE_CODES[dtype]
-        work = self._table_work(table[2], code, steps.device, table[3] if len(table) > 3 else None)
+        work = self._table_work(table[2], code, steps.device, table[3] if len(table) > 3 else None, table[0])
         part = _N.partials_arg(partials)
         head = [work.table, table[1], code, code, _N.ptr(master)]
         tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], part.data_ptr(), part.shape[1], inv_scale.data_ptr(),

@@ -116,9 +116,8 @@ def _retable(plan, rows: numpy.ndarray, numel_col: int, addr_cols: tuple, device
     common = _kernels("_common")
     owners = rows[rows[:, numel_col] > 0]
     aligned = bool((owners[:, list(addr_cols)] % common.ALIGN == 0).all())
-    host, view = _work.staging(rows.size, device)
-    view[:] = rows.reshape(-1)
-    return plan._replace(table=_work.upload(host, device), aligned=aligned)
+    rows = numpy.ascontiguousarray(rows)
+    return plan._replace(table=_work.upload_table(rows.ctypes.data, rows.size, device), aligned=aligned)
 
 
 class TritonBackend(Backend):
@@ -248,7 +247,7 @@ class TritonBackend(Backend):
         stamps = None
         if all(len(s) > 4 for s in segments):
             stamps = (tuple(s[4][0] for s in segments), tuple(s[4][1] for s in segments))
-        site = (device, k1.CHUNK, "tables", tuple((s[3].ctypes.data, str(s[2])) for s in segments))
+        site = (device, k1.CHUNK, "tables", tuple((s[0], str(s[2])) for s in segments))
         plan = self.grad_tables.get_tables(
             site, tables, lambda: common.make_plan(grad_rows(), 3, 1, (0,), k1.CHUNK, device), _capturing(device),
             "the gradients of norm_check/unscale_", stamps, lambda old: _retable(old, grad_rows(), 1, (0,), device))
@@ -258,7 +257,7 @@ class TritonBackend(Backend):
         device, array = steps.device, table[2]
         common = _kernels("_common")
         return self.step_tables.get_tables(
-            (device, "table", array.ctypes.data, chunk), (array,),
+            (device, "table", table[0], chunk), (array,),
             lambda: common.make_plan(array, 4, 2, (0, 1), chunk, device), _capturing(device),
             "the parameters and gradients of a step", tuple(table[3]) if len(table) > 3 else None,
             lambda old: _retable(old, array, 2, (0, 1), device))
