@@ -114,8 +114,10 @@ def _retable(plan, rows: numpy.ndarray, numel_col: int, addr_cols: tuple, device
     """``plan`` with ``rows`` as its table: rows of the sizes the plan was made from (so its chunk list holds),
     at new addresses. Only the table is staged and uploaded (``ampfused/ops/_work.py``: no host wait)."""
     common = _kernels("_common")
-    owners = rows[rows[:, numel_col] > 0]
-    aligned = bool((owners[:, list(addr_cols)] % common.ALIGN == 0).all())
+    addresses = rows[:, list(addr_cols)]
+    # every address aligned (one reduction, the usual case) settles it; else only the rows that own chunks count
+    aligned = not int(numpy.bitwise_or.reduce(addresses, axis=None)) % common.ALIGN or bool(
+        (addresses[rows[:, numel_col] > 0] % common.ALIGN == 0).all())
     rows = numpy.ascontiguousarray(rows)
     return plan._replace(table=_work.upload_table(rows.ctypes.data, rows.size, device), aligned=aligned)
 
