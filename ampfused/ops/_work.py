@@ -7,8 +7,10 @@ items ``i = 0 .. k-1``, written as
 * ``(row << shift) | i``, one int64 each (``shift >= 0``): the CUDA kernels' chunk list and K1 column list;
 * the pair ``(row, i * chunk)`` (``shift < 0``): the Triton kernels' chunk list.
 
-A step whose table changed (fresh gradient tensors, a load, a new group) builds its table and work lists on the
-host and uploads them. Both halves are written so the host never waits for the device:
+A step whose table changed (a gradient appeared or went, a load, a new group) builds its table and work lists on
+the host and uploads them; one whose table changed only in its addresses (fresh gradient tensors of the same
+sizes) uploads the table alone (:func:`upload_table`) and keeps the lists already on the device. Both halves are
+written so the host never waits for the device:
 
 * the lists are written by one C++ pass (``ampfused._host.work_list``) straight into the staging buffer, with a
   numpy path of the same result where ``_host`` is not built (:func:`python_work_list`, also the tests' oracle);

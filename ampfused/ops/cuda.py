@@ -12,9 +12,11 @@ K2 (the step) is one launch over all parameters of a step. Their addresses trave
 ``STEP_CHUNK`` elements of every parameter that has a gradient, as ``row << WORK_SHIFT | chunk``) and the K1
 *columns* (every partial of those gradients, as ``row << WORK_SHIFT | j``, for ``single_launch`` and the fused
 optimizers' K1). They are cached per step tensor (one per optimizer), or for the fused optimizers per segment
-table (its bytes compared with those last uploaded): a step whose table is the same list of ints as the last one reuses
-the device copy, so a warm step uploads and allocates nothing; a changed table and its work lists are written by
-one C++ pass into page-locked staging memory and uploaded by an asynchronous copy ordered on
+table (current while the segment's stamps are those of the upload, ``Segment.restamp``; a table given without
+stamps has its bytes compared): a step whose table is the same list of ints as the last one reuses the device
+copy, so a warm step uploads and allocates nothing; a table whose sizes did not change (new gradient tensors, the
+default loop) is uploaded alone, beside the work lists already on the device; any other changed table and its
+work lists are written by one C++ pass into page-locked staging memory and uploaded by an asynchronous copy ordered on
 ``torch.cuda.current_stream()``, so the host never waits for the device (``ampfused/ops/_work.py``); a changed
 table while a CUDA graph is being captured is an error (a captured
 step must see the tensors of its warm-up). The kernel is a persistent grid (at most the blocks resident on the
