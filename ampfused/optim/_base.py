@@ -17,7 +17,6 @@ read to the host.
 from __future__ import annotations
 
 import math
-import operator
 import weakref
 from typing import Dict, List, Optional
 
@@ -34,21 +33,10 @@ from ._segment import LOW_PRECISION, Segment, versions
 from ._state import _StateMap, export_state_dict, import_state_dict, run_load_pre_hooks, state_dict_with_hooks
 from ._step_call import hooked_step
 
-_is = operator.is_
-_PLAIN = (float, int, bool, str, type(None))  # hyperparameter values that cannot change in place
-
 
 def _append_flag(partials: Tensor, flag: Tensor) -> Tensor:
     """Partials with one more column ``[0, flag]``: a flag > 0 makes the update skip."""
     return torch.cat([partials, torch.stack([torch.zeros_like(flag), flag])[:, None]], 1)
-
-
-def _hyper_key(v):
-    if isinstance(v, Tensor):
-        return ("tensor", id(v), v._version)
-    if isinstance(v, (list, tuple)):
-        return tuple(_hyper_key(x) for x in v)
-    return v
 
 
 def _on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
@@ -174,20 +162,7 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         checked = self.__dict__.get("_checked_hyper")
         if checked is None:
             checked = self._checked_hyper = {}
-        for gi, group in enumerate(self.param_groups):
-            last = checked.get(gi)
-            # the same objects under the same keys, none of which can change in place: nothing to compare
-            if last is not None and last[0] is not None and len(group) == len(last[0]) and \
-                    all(map(_is, group, last[0])) and all(map(_is, group.values(), last[1])):
-                continue
-            # a list is compared by a copy of its items, tensors (alone or in a tuple or list) by identity and
-            # version counter: comparing tensors by value could read a device tensor
-            key = [(k, _hyper_key(v)) for k, v in group.items() if k != "params"]
-            if last is None or last[2] != key:
-                self._validate_group(group, f" in param_groups[{gi}]")
-            plain = all(type(v) in _PLAIN or type(v) is tuple and all(type(x) in _PLAIN for x in v)
-                        for k, v in group.items() if k != "params")
-            checked[gi] = (tuple(group) if plain else None, tuple(group.values()), key)
+        P.check_changed_groups(self.param_groups, checked, self._validate_group)
 
     @staticmethod
     def _check_divisor(grad_divisor) -> None:
