@@ -1,21 +1,24 @@
 """Host time of one fused step: ``python -m bench.step.host_time``.
 
-Two tables, each row the median of 5 rounds, in one process:
+Two tables, in one process:
 
 * **the host pass**: ``opt.step()`` and ``scaler.step(opt)`` + ``scaler.update()`` of ``ampfused.FusedAdamW``
   (bf16 tensors of 16 elements, so the kernels' own work is negligible and what is measured is the host's) on
   the CPU backend, for several tensor counts, with the optimizers' host pass (``ampfused._host``) and with it
-  switched off (the Python path that computes the same tables);
+  switched off (the Python path that computes the same tables); each the median of 5 rounds' wall time;
 * **each backend's host part** (``--backends``): ``opt.step()`` over bf16 parameters of ``--params`` elements in
   all (1M), split into each tensor count, with each backend as it is up to its kernels, the kernels replaced
   by calls that do nothing (:mod:`bench.step.host_stubs`: ``cpu``, ``cuda`` and ``triton`` run here without a
   device, ``reference`` is the Python path). In place (the same gradient tensors every step, as
   ``zero_grad(set_to_none=False)`` leaves them) and with fresh gradients (new tensors each step, at new
-  addresses, as backward hands them after the default ``zero_grad()``); per step and per tensor.
+  addresses, as backward hands them after the default ``zero_grad()``); per step and per tensor, the median
+  over every step of the thread's CPU time (so that a step preempted on a shared machine counts what it ran,
+  not what it waited; a call of the clock costs about a microsecond of it).
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import List, Optional
 
@@ -85,8 +88,8 @@ def _split(total: int, tensors: int) -> List[int]:
 
 def time_backend(backend: str, tensors: int, params: int, fresh: bool, scaler_path: bool = False,
                  calls: int = 20000, rounds: int = 5, sets: int = 3) -> float:
-    """Median microseconds per ``opt.step()`` (with ``scaler_path``: ``scaler.step`` + ``update``) with ``backend``'s
-    host part (:func:`host_stubs.host_only`) over ``tensors`` bf16 parameters of ``params`` elements in all;
+    """Median microseconds of this thread's CPU time per ``opt.step()`` (with ``scaler_path``: ``scaler.step`` +
+    ``update``), over ``rounds * max(20, calls // tensors)`` steps, with ``backend``'s host part (:func:`host_stubs.host_only`) over ``tensors`` bf16 parameters of ``params`` elements in all;
     ``fresh``: each step's gradients are new tensors (``sets`` sets of them in turn, assigned outside the timing)."""
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in _split(params, tensors)]
@@ -114,16 +117,13 @@ def time_backend(backend: str, tensors: int, params: int, fresh: bool, scaler_pa
             call()
         n = max(20, calls // tensors)
         times: List[float] = []
-        clock = time.perf_counter
-        for _ in range(rounds):
-            spent = 0.0
-            for k in range(n):
-                give(k)
-                t0 = clock()
-                call()
-                spent += clock() - t0
-            times.append(spent / n * 1e6)
-    return sorted(times)[len(times) // 2]
+        clock = time.thread_time  # this thread's CPU time: a step preempted on a shared machine is not charged
+        for _ in range(rounds * n):
+            give(len(times))
+            t0 = clock()
+            call()
+            times.append(clock() - t0)
+    return statistics.median(times) * 1e6
 
 
 def backend_table(backends: List[str], counts: List[int], params: int = 1 << 20, calls: int = 20000,
