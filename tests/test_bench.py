@@ -1,12 +1,15 @@
 """The benchmark's own checks: variants agree with the reference, a wrong one stops the run, the CSV is whole."""
 import csv
 import dataclasses
+import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+
+import ampfused
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # bench/ is a directory of the repository, not part of the installed package
@@ -221,6 +224,16 @@ def test_host_time_table_times_both_paths():
     rows = [line for line in lines[2:] if line.startswith("| ")]
     assert [r.split(" | ")[1] for r in rows] == ["Python", "`ampfused._host`"] * 2
     assert all(r.endswith(" us |") for r in rows)
+
+
+def test_host_time_times_each_backends_host_part_in_place_and_fresh():
+    from bench.step import host_stubs, host_time
+    names = [b for b in host_stubs.NAMES if b != "triton" or importlib.util.find_spec("triton") is not None]
+    out = host_time.backend_table(names, [3], params=100, calls=20, rounds=1)
+    rows = [line.split(" | ") for line in out.splitlines()[2:]]
+    assert [r[0][2:] for r in rows] == names and all(r[1] == "3" for r in rows)
+    assert all(r[2].endswith(" us") and r[4].endswith(" us") for r in rows)
+    assert ampfused.ops.registered_backends() == ["reference", "triton", "cpu", "cuda"]  # none left registered
 
 
 def test_the_default_cuda_run_compiles_on_one_workload():

@@ -277,3 +277,60 @@ def test_a_parameter_that_changed_shape_is_refused_before_any_change():
         opt.step()
     for k, v in before.items():
         assert torch.equal(opt.state[model[2].bias][k], v), k
+
+
+class _Float32Only(ampfused.ops.registry.Backend):
+    """The reference ops, for fp32 parameters only: a backend that can run a segment's new form but not its
+    old one (as the cuda backend can run a model moved to the GPU but not its CPU segments)."""
+    name = "fp32-only"
+    devices = ("cpu",)
+    dtypes = (torch.float32,)
+
+    def __init__(self):
+        from ampfused.ops import reference
+        self.calls = []
+        self.num_partials = reference.num_partials
+        self.norm_check = reference.norm_check
+
+        def adam_step_(params, *args, **kw):
+            self.calls.append(tuple(p.dtype for p in params))
+            return reference.adam_step_(params, *args, **kw)
+        self.adam_step_ = adam_step_
+
+
+BACKEND = _Float32Only()
+
+
+@pytest.fixture
+def fp32_only():
+    ampfused.ops.register_backend("fp32-only", __name__)
+    yield
+    ampfused.ops.registry._MODULES.pop("fp32-only")
+    ampfused.ops.registry._loaded.pop("fp32-only", None)
+    ampfused.ops.registry._generation[0] += 1
+
+
+def test_a_backend_forced_for_the_parameters_new_form_runs_the_step_that_follows_them(fp32_only):
+    """The backend named after a cast (or a device move) is checked against the parameters as they are now, after
+    the state follows them, never against the segments they left."""
+    model = _model(torch.bfloat16)
+    opt = ampfused.FusedAdamW(model.parameters(), **HYPER, backend="cpu" if "cpu" in cpu_backends() else None)
+    gen = torch.Generator().manual_seed(3)
+    params = list(model.parameters())
+    for p, g in zip(params, _grads(params, gen)):
+        p.grad = g
+    opt.step()
+    model.float()
+    opt.backend = "fp32-only"
+    for p, g in zip(params, _grads(params, gen)):
+        p.grad = g
+    opt.step()
+    assert BACKEND.calls == [(torch.float32,) * len(params)]
+    assert [s.dtype for s in opt._segments] == [torch.float32]
+    assert all(opt.state[p]["step"].item() == 2 for p in params)
+    # a backend that cannot run the parameters as they are is still refused, naming the rule
+    model.to(torch.bfloat16)
+    for p, g in zip(params, _grads(params, gen)):
+        p.grad = g
+    with pytest.raises(RuntimeError, match="fp32-only.*not supported"):
+        opt.step()

@@ -64,7 +64,7 @@ def _model():
     return model
 
 
-def _train(kind, steps=6, set_to_none=True, inject_inf_at=3, backend="cpu", device="cpu"):
+def _train(kind, steps=6, set_to_none=True, inject_inf_at=3, backend="cpu", device="cpu", toggle=True):
     model = _model().to(device)
     decay = [model[0].weight, model[2].weight]
     rest = [model[0].bias, model[2].bias, model[3].weight, model[3].bias]
@@ -77,7 +77,7 @@ def _train(kind, steps=6, set_to_none=True, inject_inf_at=3, backend="cpu", devi
     g = torch.Generator().manual_seed(1)
     for s in range(steps):
         x = torch.randn(8, 12, generator=g).to(device=device, dtype=torch.bfloat16)
-        model[2].bias.requires_grad_(s % 2 == 0)  # a parameter without a gradient on odd steps
+        model[2].bias.requires_grad_(s % 2 == 0 or not toggle)  # a parameter without a gradient on odd steps
         loss = model(x).float().pow(2).mean()
         if s == inject_inf_at:
             loss = loss * float("inf")
@@ -122,6 +122,16 @@ def test_the_host_pass_feeds_the_triton_kernels_as_the_python_path_does(kind, co
 
 @needs_host
 @pytest.mark.skipif("triton" not in cpu_backends(), reason="Triton does not run here")
+def test_fresh_gradients_of_the_same_sizes_step_triton_as_the_python_path(counting, monkeypatch):
+    """Every gradient a new tensor, every size the same: the plans keep their chunk lists and take new tables
+    (a table uploaded alone), and the run is the Python path's bit for bit."""
+    fast = _train("adamw", steps=4, inject_inf_at=2, backend="triton", toggle=False)
+    monkeypatch.setattr(_gradients, "_HOST", None)
+    _assert_same_run(fast, _train("adamw", steps=4, inject_inf_at=2, backend="triton", toggle=False))
+
+
+@needs_host
+@pytest.mark.skipif("triton" not in cpu_backends(), reason="Triton does not run here")
 def test_warm_table_steps_reuse_the_triton_plans(counting):
     """Steps whose tables hold the same ints (gradients refilled in place) build no new device tables; a new
     gradient tensor (another address) builds them once more."""
@@ -140,9 +150,14 @@ def test_warm_table_steps_reuse_the_triton_plans(counting):
             p.grad.copy_(torch.randn_like(p))
         opt.step()
     assert (b.step_tables.builds, b.grad_tables.builds) == builds and counting.statuses[-3:] == [0, 0, 0]
+    plans = [slot[1] for slot in b.step_tables._slots.values()] + [slot[1] for slot in b.grad_tables._slots.values()]
     params[1].grad = torch.randn_like(params[1])
     opt.step()
     assert (b.step_tables.builds, b.grad_tables.builds) == (builds[0] + 1, builds[1] + 1)
+    # new addresses, the same sizes: new tables beside the chunk lists already on the device
+    now = [slot[1] for slot in b.step_tables._slots.values()] + [slot[1] for slot in b.grad_tables._slots.values()]
+    kept = [(old, new) for old in plans for new in now if new.chunks is old.chunks and new is not old]
+    assert len(kept) == 2 and all(new.table.data_ptr() != old.table.data_ptr() for old, new in kept)
 
 
 @needs_host
@@ -298,7 +313,7 @@ def test_the_cuda_backends_table_entries_hand_its_kernels_the_rows_of_its_list_e
     opt.step()
     params[1].grad = None
     seg = opt._segments[0]
-    status, _, active, _ = _native.module("host").scan(seg.params, seg.record_address, seg.table_address, 1)
+    status, _, active, _, _ = _native.module("host").scan(seg.params, seg.record_address, seg.table_address, 1)
     assert (status, active) == (0, 2)
     grads = [p.grad for p in params]
     rows, _ = _native.step_table(params, grads)
@@ -311,11 +326,11 @@ def test_the_cuda_backends_table_entries_hand_its_kernels_the_rows_of_its_list_e
     (name, args), = calls
     work = C._works[(0, "table", seg.table_address)]
     assert name == "norm_check_work" and C.stats["uploads"] == uploads + 1
-    assert work.basis == seg.table.tobytes() and work.host[:len(rows)].tolist() == rows
+    assert work.basis == seg.table.tobytes() and work.dev[:len(rows)].tolist() == rows
     # the kernels find the work lists right after the table's ints (4 per row) in the device copy
     assert work.chunks == work.table + 8 * len(rows) and work.columns == work.chunks + 8 * work.num_chunks
     # K1's columns: partials 0..2 of row 0 (3000 elements), 0..1 of row 2 (1500); row 1 has no gradient
-    columns = work.host[len(rows) + work.num_chunks:].tolist()
+    columns = work.dev[len(rows) + work.num_chunks:].tolist()
     assert columns == [0, 1, 2, (2 << 32) | 0, (2 << 32) | 1] and work.num_columns == 5
     assert args == (work.table, work.columns, 5, 0, 1, inv.data_ptr(), partials.data_ptr(), 5, 0, 0)
     assert tuple(partials.shape) == (2, 5)
@@ -329,3 +344,147 @@ def test_the_cuda_backends_table_entries_hand_its_kernels_the_rows_of_its_list_e
     assert name == "adam_step" and C._works[(0, "table", seg.table_address)] is work  # K1's upload, reused
     assert C.stats["uploads"] == uploads + 1
     assert args[:5] == (work.table, 3, 1, 1, seg.master.data_ptr())
+
+
+@needs_host
+@needs_cpu
+def test_the_cuda_backends_cached_work_keeps_no_staging_buffer(monkeypatch):
+    """The CUDA backend's cached device work (its module replaced by a recorder, its upload by a copy as on a
+    device) keeps no staging buffer: a changed table, in a loop whose tables change (fresh gradients), finds the
+    blocks of the tables before it free once their copies are done, and allocates no page-locked memory (a call
+    that CUDA may serve by synchronizing the device)."""
+    from ampfused.ops import cuda as C
+    from test_work_lists import StagingWatch
+
+    class Recorder:
+        STEP_CHUNK, TILE, MAX_PARTIALS_PER_TENSOR, WORK_SHIFT = 4096, 1024, 64, 32
+
+        def __getattr__(self, name):
+            return lambda *args: None
+
+    backend = C.CudaBackend()
+    monkeypatch.setattr(backend, "_mod", lambda: Recorder())
+    monkeypatch.setattr(backend, "_device_args", lambda device: (0, 0))
+    for name, fake in (("_counter", lambda steps: 0), ("_capturing", lambda index: False),
+                       ("_device_index", lambda device: 0), ("_raw_stream", lambda index: 0)):
+        monkeypatch.setattr(C, name, fake)
+    watch = StagingWatch(monkeypatch)
+    C._works.clear()
+
+    params = [torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in (3000, 5, 1500)]
+    opt = ampfused.FusedAdamW(params, lr=0.1, backend="cpu")
+    inv = torch.ones(())
+    for k in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)  # fresh gradients: a changed table each time
+        opt.step()
+        seg = opt._segments[0]
+        partials = backend.norm_check_tables([(seg.table_address, len(seg), seg.dtype, seg.table)], 0, inv)
+        st = seg.states
+        backend.adam_step_table((seg.table_address, len(seg), seg.table), seg.dtype, seg.master, st["exp_avg"],
+                                st["exp_avg_sq"], seg.steps, partials, inv, seg.lr, opt._stats, 0.9, 0.999, 1e-8,
+                                0.0, float("inf"), True, False)
+    assert len(watch.handed_out) == 3 and watch.kept() == 0
+    work = C._works[(0, "table", seg.table_address)]
+    assert work.dev[:seg.table.size].tolist() == seg.table.reshape(-1).tolist()
+    C._works.clear()
+
+
+@needs_host
+@needs_cpu
+def test_the_scan_says_what_changed_in_the_table():
+    """Nothing when the tensors are those of the last scan; new addresses alone (fresh gradient tensors); sizes
+    too when a gradient appears or goes (the work lists change with them). A scan that stops part-way leaves
+    a table no copy may be taken for: the segment's stamps change."""
+    host = _native.module("host")
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (7, 3, 5)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = ampfused.FusedAdamW(params, lr=0.1, backend="cpu")
+    opt.step()
+    seg = opt._segments[0]
+    seg.table[:, :3] = 0  # as the segment was built
+
+    def scan():
+        return host.scan(seg.params, seg.record_address, seg.table_address, 1)
+
+    assert scan()[4] == host.CHANGED_ADDRESSES | host.CHANGED_SIZES  # the first scan fills the table
+    assert scan()[4] == 0
+    params[1].grad = torch.randn_like(params[1])
+    assert scan()[4] == host.CHANGED_ADDRESSES
+    params[2].grad = None
+    assert scan()[4] == host.CHANGED_ADDRESSES | host.CHANGED_SIZES
+    assert scan()[4] == 0
+
+    stamps = seg.stamps
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt._scan()
+    assert seg.stamps[0] != stamps[0] and seg.stamps[1] != stamps[1]  # a gradient appeared
+    stamps = seg.stamps
+    params[0].grad = torch.randn_like(params[0])
+    opt._scan()
+    assert seg.stamps[0] != stamps[0] and seg.stamps[1] == stamps[1]  # new addresses, the same sizes
+    stamps = seg.stamps
+    opt._scan()
+    assert seg.stamps == stamps
+    params[2].grad = torch.randn(10)[::2]  # strided: the scan stops at it, rows 0 and 1 written
+    assert opt._scan() is None and seg.stamps[0] != stamps[0] and seg.stamps[1] != stamps[1]
+
+
+@needs_host
+@needs_cpu
+def test_fresh_gradients_upload_the_table_alone_on_the_cuda_backend(monkeypatch):
+    """The CUDA backend's cached work (its module replaced by a recorder, its upload by a copy as on a device)
+    after fresh gradient tensors of the same sizes: a new device table, the work lists kept on the device (the
+    kernels get the same chunk and column addresses); a gradient gone rebuilds the lists."""
+    from ampfused.ops import cuda as C
+    from test_work_lists import StagingWatch
+
+    calls = []
+
+    class Recorder:
+        STEP_CHUNK, TILE, MAX_PARTIALS_PER_TENSOR, WORK_SHIFT = 4096, 1024, 64, 32
+
+        def __getattr__(self, name):
+            return lambda *args: calls.append((name, args))
+
+    backend = C.CudaBackend()
+    monkeypatch.setattr(backend, "_mod", lambda: Recorder())
+    monkeypatch.setattr(backend, "_device_args", lambda device: (0, 0))
+    for name, fake in (("_counter", lambda steps: 0), ("_capturing", lambda index: False),
+                       ("_device_index", lambda device: 0), ("_raw_stream", lambda index: 0)):
+        monkeypatch.setattr(C, name, fake)
+    watch = StagingWatch(monkeypatch)
+    C._works.clear()
+    params = [torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in (9000, 5, 1500)]
+    opt = ampfused.FusedAdamW(params, lr=0.1, backend="cpu")
+    inv = torch.ones(())
+
+    def step():
+        opt.step()  # (the cpu backend's step: it writes the table the cuda entries read)
+        seg = opt._segments[0]
+        calls.clear()
+        backend.norm_check_tables([(seg.table_address, len(seg), seg.dtype, seg.table, seg.stamps)], 0, inv)
+        work = C._works[(0, "table", seg.table_address)]
+        assert calls[0][1][:3] == (work.table, work.columns, work.num_columns)
+        return seg, work
+
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # builds the segments (the Python path); the host pass writes the table from the next step on
+    seg, first = step()
+    assert first.lists is first.dev and first.num_chunks == 3 + 1 + 1 and first.num_columns == 9 + 1 + 2
+    for p in params:
+        p.grad = torch.randn_like(p)  # fresh tensors, the same sizes
+    seg, work = step()
+    assert work is not first and work.lists is first.lists and work.dev is not first.dev
+    assert (work.chunks, work.columns) == (first.chunks, first.columns) and work.dev.numel() == seg.table.size
+    assert work.dev.tolist() == seg.table.reshape(-1).tolist()
+    uploads = C.stats["uploads"]
+    assert step()[1] is work and C.stats["uploads"] == uploads  # in place: nothing uploaded
+    params[1].grad = None
+    seg, rebuilt = step()
+    assert rebuilt.lists is rebuilt.dev and rebuilt.num_chunks == 3 + 1 and rebuilt.num_columns == 9 + 2
+    assert watch.kept() == 0
+    C._works.clear()

@@ -230,3 +230,30 @@ def test_master_weights_true_on_fp32_params_keeps_a_separate_master(backend):
     master = opt.state[params[0]]["master_param"]
     assert master.data_ptr() != params[0].data_ptr()
     assert torch.equal(master, params[0].detach()) and opt.state[params[0]]["step"].item() == 1
+
+
+def test_step_runs_torch_optims_hooks_and_profiler_range():
+    """The step's own call (no profiler range while no profiler records one) keeps torch.optim's step hooks, in
+    torch's order, a pre hook's new arguments, autograd off inside, and the range when a profiler is on."""
+    p = torch.nn.Parameter(torch.randn(8))
+    p.grad = torch.ones(8)
+    opt = ampfused.FusedAdamW([p], lr=0.1, backend="reference")
+    seen = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(("pre", torch.is_grad_enabled())))
+    opt.register_step_post_hook(lambda o, args, kwargs: seen.append(("post", kwargs.get("grad_divisor"))))
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    glob = register_optimizer_step_pre_hook(
+        lambda o, args, kwargs: (args, dict(kwargs, grad_divisor=2.0)))
+    try:
+        before = p.detach().clone()
+        opt.step()
+    finally:
+        glob.remove()
+    assert seen == [("pre", True), ("post", 2.0)] and torch.is_grad_enabled()
+    ref = ampfused.FusedAdamW([torch.nn.Parameter(before)], lr=0.1, backend="reference")
+    ref.param_groups[0]["params"][0].grad = torch.ones(8)
+    ref.step(grad_divisor=2.0)
+    assert torch.equal(p.detach(), ref.param_groups[0]["params"][0].detach())  # the hook's grad_divisor was used
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    assert any(e.name == "Optimizer.step#FusedAdamW.step" for e in prof.events())

@@ -110,4 +110,39 @@ def test_triton_plans_from_lists_and_arrays_agree():
         plan = _common.make_plan(rows, 4, 2, (0, 1), 16, torch.device("cpu"))
         assert plan.table.tolist() == t.reshape(-1).tolist()
         assert plan.chunks.tolist() == [0, 0, 3, 0, 3, 16, 3, 32, 4, 0] and plan.num_chunks == 5
-        assert plan.aligned and plan.host.numel() == t.size + 10 + 1
+        assert plan.aligned and plan.table.untyped_storage().nbytes() == 8 * (t.size + 10 + 1)
+
+
+class StagingWatch:
+    """``_work.staging`` and ``_work.upload`` as on a CUDA device, seen from the CPU: every staging buffer handed
+    out is watched (a weak reference), and the upload is a copy into memory of its own, as the device copy is."""
+
+    def __init__(self, monkeypatch):
+        import weakref
+        self.handed_out = []
+        staging = _work.staging
+
+        def watched(n, device):
+            host, view = staging(n, device)
+            self.handed_out.append(weakref.ref(host))
+            return host, view
+
+        monkeypatch.setattr(_work, "staging", watched)
+        monkeypatch.setattr(_work, "upload", lambda host, device: host.clone())
+
+    def kept(self) -> int:
+        import gc
+        gc.collect()
+        return sum(r() is not None for r in self.handed_out)
+
+
+def test_a_triton_plan_keeps_no_staging_buffer(monkeypatch):
+    """A staging buffer kept past its copy holds its page-locked block, so the next changed table needs a new one
+    (cudaHostAlloc inside a step, a call CUDA may serve by synchronizing): the plan keeps the device copy only."""
+    pytest.importorskip("triton")
+    from ampfused.triton_kernels import _common
+    watch = StagingWatch(monkeypatch)
+    t = _table([5, _native.NO_GRAD, 0, 33, 16])
+    plan = _common.make_plan(t, 4, 2, (0, 1), 16, torch.device("cpu"))
+    assert len(watch.handed_out) == 1 and watch.kept() == 0
+    assert plan.table.tolist() == t.reshape(-1).tolist() and plan.num_chunks == 5

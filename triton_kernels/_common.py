@@ -260,7 +260,6 @@ class Plan(NamedTuple):
     num_chunks: int
     chunk: int                # elements per chunk (a multiple of the kernel's block)
     aligned: bool             # every address of a row that owns a chunk is 16-byte aligned
-    host: torch.Tensor        # the host copy the upload reads (kept while the plan lives)
 
 
 def make_plan(rows, cols: int, numel_col: int, addr_cols: Sequence[int], chunk: int, device: torch.device) -> Plan:
@@ -283,7 +282,8 @@ def make_plan(rows, cols: int, numel_col: int, addr_cols: Sequence[int], chunk: 
     _work.work_list(table, numel_col, chunk, _work.UNCAPPED, -1, view[n_table:n_table + n_chunks])
     view[n_table + n_chunks] = 0
     buf = _work.upload(host, device)
-    return Plan(buf[:n_table], buf[n_table:n_table + n_chunks], num_chunks, chunk, aligned, host)
+    # (the staging block is not kept: the allocator hands it out again only once the copy from it is done)
+    return Plan(buf[:n_table], buf[n_table:n_table + n_chunks], num_chunks, chunk, aligned)
 
 
 def device_guard(t):

@@ -7,8 +7,10 @@ items ``i = 0 .. k-1``, written as
 * ``(row << shift) | i``, one int64 each (``shift >= 0``): the CUDA kernels' chunk list and K1 column list;
 * the pair ``(row, i * chunk)`` (``shift < 0``): the Triton kernels' chunk list.
 
-A step whose table changed (fresh gradient tensors, a load, a new group) builds its table and work lists on the
-host and uploads them. Both halves are written so the host never waits for the device:
+A step whose table changed (a gradient appeared or went, a load, a new group) builds its table and work lists on
+the host and uploads them; one whose table changed only in its addresses (fresh gradient tensors of the same
+sizes) uploads the table alone (:func:`upload_table`) and keeps the lists already on the device. Both halves are
+written so the host never waits for the device:
 
 * the lists are written by one C++ pass (``ampfused._host.work_list``) straight into the staging buffer, with a
   numpy path of the same result where ``_host`` is not built (:func:`python_work_list`, also the tests' oracle);
@@ -17,6 +19,11 @@ host and uploads them. Both halves are written so the host never waits for the d
   hand the block out again until that copy has completed (it records an event on the copy's stream). A copy
   from ordinary (pageable) memory would instead let CUDA wait for the stream to drain first: a host wait that
   torch's sync-debug mode does not report.
+* nothing keeps a staging buffer past its copy: freed at once, its block is free again as soon as the copy is
+  done, so the next changed table reuses it. Kept with the cached device work (one block per cache entry, the
+  Python path's entry holding its own for good), a changed table found every block of its size held and had
+  the allocator make a new one: ``cudaHostAlloc``, which CUDA lists among the calls that synchronize
+  implicitly, inside a step, with the device busy.
 """
 from __future__ import annotations
 
@@ -96,6 +103,14 @@ def staging(n: int, device: torch.device) -> Tuple[torch.Tensor, numpy.ndarray]:
     # a view of the new buffer by its address (it reads nothing: Tensor.numpy would look like a host read)
     view = numpy.ctypeslib.as_array((ctypes.c_int64 * buf.numel()).from_address(buf.data_ptr()))
     return buf, view
+
+
+def upload_table(address: int, n: int, device: torch.device) -> torch.Tensor:
+    """The device copy of ``n`` int64 at host ``address`` (a tensor table), staged as :func:`staging` stages and
+    uploaded as :func:`upload` uploads; on the CPU a copy of its own (the table is rewritten in place)."""
+    host = torch.empty(max(n, 1), dtype=torch.int64, pin_memory=device.type == "cuda")
+    ctypes.memmove(host.data_ptr(), address, 8 * n)
+    return upload(host, device)
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:

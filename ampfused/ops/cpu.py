@@ -157,7 +157,9 @@ class CpuBackend(Backend):
     # parameter checked there: plain, where the optimizer left it, its gradient of its dtype, device and
     # layout) and state buffers they built themselves: these entries pass the tables' addresses and skip the
     # per-tensor checks and table building of the ops above. Results are the same bits.
-    # A table is ``(address, rows, array)``: the host int64 [rows, 4] numpy array and its address.
+    # A table is ``(address, rows, array[, stamps])``: the host int64 [rows, 4] numpy array and its address, and
+    # optionally the segment's ``stamps`` (``(table, sizes)``, ``Segment.restamp``), by which a backend that keeps
+    # device copies of the table knows them current without comparing the table's bytes.
     takes_tables = True
 
     @property
@@ -167,10 +169,10 @@ class CpuBackend(Backend):
 
     def norm_check_tables(self, segments, chunks: int, inv_scale: Tensor) -> Tensor:
         """K1 (``norm_check``) over the gradients of ``segments`` (``(table address, rows, grad dtype, table
-        array)`` each), in table order, as :meth:`norm_check` of the same gradients (``chunks`` partials)."""
+        array[, stamps])`` each), in table order, as :meth:`norm_check` of the same gradients (``chunks`` partials)."""
         partials = torch.empty(2, chunks, dtype=torch.float32)
-        self._mod().norm_check_tables([t for t, _, _, _ in segments], [n for _, n, _, _ in segments],
-                                      [_N.DTYPE_CODES[d] for _, _, d, _ in segments], inv_scale.data_ptr(),
+        self._mod().norm_check_tables([s[0] for s in segments], [s[1] for s in segments],
+                                      [_N.DTYPE_CODES[s[2]] for s in segments], inv_scale.data_ptr(),
                                       partials.data_ptr(), chunks, False, torch.get_num_threads())
         return partials
 

@@ -12,9 +12,11 @@ K2 (the step) is one launch over all parameters of a step. Their addresses trave
 ``STEP_CHUNK`` elements of every parameter that has a gradient, as ``row << WORK_SHIFT | chunk``) and the K1
 *columns* (every partial of those gradients, as ``row << WORK_SHIFT | j``, for ``single_launch`` and the fused
 optimizers' K1). They are cached per step tensor (one per optimizer), or for the fused optimizers per segment
-table (its bytes compared with those last uploaded): a step whose table is the same list of ints as the last one reuses
-the device copy, so a warm step uploads and allocates nothing; a changed table and its work lists are written by
-one C++ pass into page-locked staging memory and uploaded by an asynchronous copy ordered on
+table (current while the segment's stamps are those of the upload, ``Segment.restamp``; a table given without
+stamps has its bytes compared): a step whose table is the same list of ints as the last one reuses the device
+copy, so a warm step uploads and allocates nothing; a table whose sizes did not change (new gradient tensors, the
+default loop) is uploaded alone, beside the work lists already on the device; any other changed table and its
+work lists are written by one C++ pass into page-locked staging memory and uploaded by an asynchronous copy ordered on
 ``torch.cuda.current_stream()``, so the host never waits for the device (``ampfused/ops/_work.py``); a changed
 table while a CUDA graph is being captured is an error (a captured
 step must see the tensors of its warm-up). The kernel is a persistent grid (at most the blocks resident on the
@@ -93,27 +95,32 @@ def work_lists(rows, chunk: int, tile: int, max_partials: int, shift: int,
 
 
 class _Work:
-    """The device copy of one step's tensor table and work lists (one int64 tensor: table, chunks, columns)."""
+    """The device copy of one step's tensor table and its work lists: one int64 tensor ``dev`` (table, chunks,
+    columns), or the table alone in ``dev`` and the lists in ``lists`` (a table whose sizes did not change since
+    the lists were built: only its addresses are uploaded)."""
 
-    __slots__ = ("basis", "codes", "host", "dev", "table", "chunks", "num_chunks", "columns", "num_columns",
-                 "streams", "captured")
+    __slots__ = ("basis", "codes", "dev", "lists", "table", "chunks", "num_chunks", "columns", "num_columns",
+                 "streams", "list_streams", "captured")
 
-    def __init__(self, basis, codes, host: Tensor, dev: Tensor, num_chunks: int, num_columns: int, stream: int):
-        self.basis, self.codes, self.host, self.dev = basis, codes, host, dev  # what a later table is compared with
+    def __init__(self, basis, codes, dev: Tensor, num_chunks: int, num_columns: int, stream: int,
+                 lists: Optional["_Work"] = None):
+        self.basis, self.codes, self.dev = basis, codes, dev  # basis, codes: what a later table is compared with
         self.table = dev.data_ptr()
-        self.chunks = self.table + 8 * (host.numel() - num_chunks - num_columns)  # past the table's ints
-        # (host is the staged [table | chunks | columns], page-locked: kept until the entry goes, so its block is
-        # not handed out again while this entry may still be uploaded from; the allocator's event covers the rest)
+        self.streams = {stream}  # streams whose kernels may read dev (it was allocated on the first)
+        if lists is None:
+            self.lists, self.list_streams = dev, self.streams
+            self.chunks = self.table + 8 * (dev.numel() - num_chunks - num_columns)  # past the table's ints
+        else:  # (one set of streams per lists tensor, shared by the works that read it)
+            self.lists, self.chunks, self.list_streams = lists.lists, lists.chunks, lists.list_streams
         self.num_chunks = num_chunks
         self.columns = self.chunks + 8 * num_chunks
         self.num_columns = num_columns
-        self.streams = {stream}  # streams whose kernels may read dev (it was allocated on the first)
         self.captured = False  # read by a captured graph: must outlive this cache entry
 
 
 def _retire(work: "_Work") -> None:
     if work.captured:
-        _kept_for_graphs.append(work.dev)
+        _kept_for_graphs.extend((work.dev, work.lists))
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds of torch
@@ -170,17 +177,26 @@ class CudaBackend(CpuBackend):
         return self._cached_work(key, lambda w: w.basis == rows and w.codes == codes, lambda: rows, lambda: rows,
                                  codes, steps.device, check)
 
-    def _table_work(self, table, code: int, device: torch.device) -> _Work:
+    def _table_work(self, table, code: int, device: torch.device, stamps=None, address=None) -> _Work:
         """The cached device work of a fused optimizer's segment, from its host tensor table (written in place by
-        ampfused._host before each step): reused while the table holds the ints last uploaded (its bytes compared
-        with theirs, one memcmp), uploaded again when any changed."""
-        key = (_device_index(device), "table", table.ctypes.data)
+        ampfused._host before each step): reused while the table holds the ints last uploaded, uploaded again
+        when any changed. ``stamps`` (``Segment.stamps``) say so without reading the table: a new first stamp
+        alone (new addresses, as fresh gradient tensors bring) uploads the table and keeps the work lists on
+        the device; without stamps the table's bytes are compared with those last uploaded."""
+        key = (_device_index(device), "table", table.ctypes.data if address is None else address)
         codes = (code, code)
-        now = table.tobytes()
-        return self._cached_work(key, lambda w: w.basis == now and w.codes == codes,
-                                 lambda: table, lambda: now, codes, device, lambda: None)
+        if stamps is None:
+            now = table.tobytes()
+            return self._cached_work(key, lambda w: w.basis == now and w.codes == codes,
+                                     lambda: table, lambda: now, codes, device, lambda: None)
+        stamps = tuple(stamps)
+        return self._cached_work(key, lambda w: w.basis == stamps and w.codes == codes, lambda: table,
+                                 lambda: stamps, codes, device, lambda: None,
+                                 lambda w: type(w.basis) is tuple and w.basis[1] == stamps[1] and w.codes == codes,
+                                 key[2])
 
-    def _cached_work(self, key, same, rows_of, basis, codes, device: torch.device, check) -> _Work:
+    def _cached_work(self, key, same, rows_of, basis, codes, device: torch.device, check,
+                     same_sizes=lambda w: False, address=None) -> _Work:
         index = key[0]
         stream = _raw_stream(index)
         capturing = _capturing(index)
@@ -193,13 +209,22 @@ class CudaBackend(CpuBackend):
                     "None) are not those of the last step run eagerly with these step counts; run one step eagerly "
                     "with exactly these tensors before capturing it (the usual warm-up)")
             check()
-            mod = self._mod()
-            host, num_chunks, num_columns = work_lists(rows_of(), mod.STEP_CHUNK, mod.TILE,
-                                                       mod.MAX_PARTIALS_PER_TENSOR, mod.WORK_SHIFT, device)
-            # from page-locked memory: an asynchronous copy ordered on the current stream, no host wait
-            dev = _work.upload(host, device)
+            if work is not None and same_sizes(work):
+                # only addresses changed: the table alone goes up, the work lists on the device stay
+                rows = rows_of()
+                dev = _work.upload_table(rows.ctypes.data if address is None else address, rows.size, device)
+                new = _Work(basis(), codes, dev, work.num_chunks, work.num_columns, stream, lists=work)
+            else:
+                mod = self._mod()
+                host, num_chunks, num_columns = work_lists(rows_of(), mod.STEP_CHUNK, mod.TILE,
+                                                           mod.MAX_PARTIALS_PER_TENSOR, mod.WORK_SHIFT, device)
+                # from page-locked memory: an asynchronous copy ordered on the current stream, no host wait; the
+                # staging block goes back to the allocator now, which hands it out again only once this copy
+                # is done
+                dev = _work.upload(host, device)
+                del host
+                new = _Work(basis(), codes, dev, num_chunks, num_columns, stream)
             stats["uploads"] += 1
-            new = _Work(basis(), codes, host, dev, num_chunks, num_columns, stream)
             old = _works.pop(key, None)
             if old is not None:
                 _retire(old)
@@ -211,6 +236,9 @@ class CudaBackend(CpuBackend):
         elif stream not in work.streams:  # freed later only after this stream's use of it
             work.dev.record_stream(torch.cuda.current_stream(device))
             work.streams.add(stream)
+        if stream not in work.list_streams:  # (lists kept from a table uploaded on another stream)
+            work.lists.record_stream(torch.cuda.current_stream(device))
+            work.list_streams.add(stream)
         if capturing:
             work.captured = True
         return work
@@ -274,8 +302,8 @@ class CudaBackend(CpuBackend):
         """K1 over the segments' gradients: one launch per segment, from the device copy of its tensor table and
         K1 column list (the work its step reads too), into consecutive columns of one partials tensor."""
         device = inv_scale.device
-        works = [(self._table_work(table, _N.DTYPE_CODES[dtype], device), _N.DTYPE_CODES[dtype])
-                 for _, _, dtype, table in segments]
+        works = [(self._table_work(s[3], _N.DTYPE_CODES[s[2]], device, s[4] if len(s) > 4 else None, s[0]),
+                  _N.DTYPE_CODES[s[2]]) for s in segments]
         p = sum(w.num_columns for w, _ in works)
         partials = torch.empty(2, p, dtype=torch.float32, device=device)
         where = self._device_args(device)
@@ -290,7 +318,7 @@ class CudaBackend(CpuBackend):
         """What :meth:`_prepare_step` returns, from a segment's table (checked by ampfused._host) instead of
         the tensors: the device work is the cached one while the table's rows stay the same."""
         code = _N.DTYPE_CODES[dtype]
-        work = self._table_work(table[2], code, steps.device)
+        work = self._table_work(table[2], code, steps.device, table[3] if len(table) > 3 else None, table[0])
         part = _N.partials_arg(partials)
         head = [work.table, table[1], code, code, _N.ptr(master)]
         tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], part.data_ptr(), part.shape[1], inv_scale.data_ptr(),

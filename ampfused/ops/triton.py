@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .. import _native
+from . import _work
 from .checks import is_dense
 from .registry import Backend
 
@@ -68,13 +69,21 @@ class TableCache:
         CUDA graph is being captured (the graph would keep reading a table uploaded once, outside it)."""
         return self._get(site, ints, build, capturing, what, lambda kept: kept == ints, lambda: ints)
 
-    def get_tables(self, site: tuple, tables: tuple, build: Callable[[], object], capturing: bool, what: str):
+    def get_tables(self, site: tuple, tables: tuple, build: Callable[[], object], capturing: bool, what: str,
+                   stamps: Optional[tuple] = None, retable: Optional[Callable[[object], object]] = None):
         """:meth:`get` for host tensor tables (numpy arrays that ampfused._host rewrites in place each step):
-        the plan is reused while every table holds the ints it was built from (their bytes compared)."""
-        now = tuple(t.tobytes() for t in tables)
-        return self._get(site, tables, build, capturing, what, lambda kept: kept == now, lambda: now)
+        the plan is reused while every table holds the ints it was built from. With ``stamps`` (``(table,
+        sizes)``, from the segments' ``stamps``) that is known without reading the tables, and a plan whose
+        sizes stamp still holds keeps its chunk list: ``retable(plan)`` uploads the new table alone. Without
+        them the tables' bytes are compared."""
+        if stamps is None:
+            now = tuple(t.tobytes() for t in tables)
+            return self._get(site, tables, build, capturing, what, lambda kept: kept == now, lambda: now)
+        return self._get(site, tables, build, capturing, what, lambda kept: kept == stamps, lambda: stamps,
+                         lambda kept: type(kept) is tuple and kept[1] == stamps[1], retable)
 
-    def _get(self, site: tuple, ints, build, capturing: bool, what: str, same, keep):
+    def _get(self, site: tuple, ints, build, capturing: bool, what: str, same, keep, same_sizes=None,
+             retable=None):
         slot = self._slots.get(site)
         if slot is not None and same(slot[0]):
             self._slots.move_to_end(site)
@@ -86,7 +95,7 @@ class TableCache:
                     "captured: these tensors (or their addresses) differ from the last eager call's. Run one "
                     "eager call with exactly these tensors before capturing, and keep them, storage included, "
                     "for as long as the graph is replayed")
-            plan = build()
+            plan = retable(slot[1]) if slot is not None and same_sizes and same_sizes(slot[0]) else build()
             self.builds += 1
             self._slots[site] = (keep(), plan)
             self._slots.move_to_end(site)
@@ -99,6 +108,18 @@ class TableCache:
     def clear(self) -> None:
         """Forget every slot (tables captured in CUDA graphs stay alive)."""
         self._slots.clear()
+
+
+def _retable(plan, rows: numpy.ndarray, numel_col: int, addr_cols: tuple, device: torch.device):
+    """``plan`` with ``rows`` as its table: rows of the sizes the plan was made from (so its chunk list holds),
+    at new addresses. Only the table is staged and uploaded (``ampfused/ops/_work.py``: no host wait)."""
+    common = _kernels("_common")
+    addresses = rows[:, list(addr_cols)]
+    # every address aligned (one reduction, the usual case) settles it; else only the rows that own chunks count
+    aligned = not int(numpy.bitwise_or.reduce(addresses, axis=None)) % common.ALIGN or bool(
+        (addresses[rows[:, numel_col] > 0] % common.ALIGN == 0).all())
+    rows = numpy.ascontiguousarray(rows)
+    return plan._replace(table=_work.upload_table(rows.ctypes.data, rows.size, device), aligned=aligned)
 
 
 class TritonBackend(Backend):
@@ -211,32 +232,37 @@ class TritonBackend(Backend):
 
     def norm_check_tables(self, segments, chunks: int, inv_scale: Tensor) -> Tensor:
         k1, common = _kernels("norm_check"), _kernels("_common")
-        tables = tuple(table for _, _, _, table in segments)
-
-        def build():
-            parts = []
-            for _, _, dtype, table in segments:
-                active = table[table[:, 2] != _native.NO_GRAD]
-                grad_rows = numpy.empty((len(active), 3), dtype=numpy.int64)  # address, numel, dtype code
-                grad_rows[:, 0], grad_rows[:, 1] = active[:, 1], active[:, 2]
-                grad_rows[:, 2] = _native.DTYPE_CODES[dtype]
-                parts.append(grad_rows)
-            rows = numpy.concatenate(parts) if parts else numpy.empty((0, 3), dtype=numpy.int64)
-            return common.make_plan(rows, 3, 1, (0,), k1.CHUNK, device)
-
+        tables = tuple(s[3] for s in segments)
         device = inv_scale.device
-        site = (device, k1.CHUNK, "tables", tuple((t.ctypes.data, str(d)) for _, _, d, t in segments))
-        plan = self.grad_tables.get_tables(site, tables, build, _capturing(device),
-                                           "the gradients of norm_check/unscale_")
+
+        def grad_rows():
+            parts = []
+            for s in segments:
+                table = s[3]
+                active = table[table[:, 2] != _native.NO_GRAD]
+                rows = numpy.empty((len(active), 3), dtype=numpy.int64)  # address, numel, dtype code
+                rows[:, 0], rows[:, 1] = active[:, 1], active[:, 2]
+                rows[:, 2] = _native.DTYPE_CODES[s[2]]
+                parts.append(rows)
+            return numpy.concatenate(parts) if parts else numpy.empty((0, 3), dtype=numpy.int64)
+
+        stamps = None
+        if all(len(s) > 4 for s in segments):
+            stamps = (tuple(s[4][0] for s in segments), tuple(s[4][1] for s in segments))
+        site = (device, k1.CHUNK, "tables", tuple((s[0], str(s[2])) for s in segments))
+        plan = self.grad_tables.get_tables(
+            site, tables, lambda: common.make_plan(grad_rows(), 3, 1, (0,), k1.CHUNK, device), _capturing(device),
+            "the gradients of norm_check/unscale_", stamps, lambda old: _retable(old, grad_rows(), 1, (0,), device))
         return k1.run(plan, inv_scale, False)
 
     def _table_plan(self, table: tuple, steps: Tensor, chunk: int):
         device, array = steps.device, table[2]
         common = _kernels("_common")
         return self.step_tables.get_tables(
-            (device, "table", array.ctypes.data, chunk), (array,),
+            (device, "table", table[0], chunk), (array,),
             lambda: common.make_plan(array, 4, 2, (0, 1), chunk, device), _capturing(device),
-            "the parameters and gradients of a step")
+            "the parameters and gradients of a step", tuple(table[3]) if len(table) > 3 else None,
+            lambda old: _retable(old, array, 2, (0, 1), device))
 
     def adam_step_table(self, table: tuple, dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
                         out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize, seed=None,

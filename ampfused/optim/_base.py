@@ -31,19 +31,12 @@ from ._follow import _OWNERS, FollowParameters
 from ._gradients import _Batch, _host, _NO_GRAD, _shard_groups, ReadGradients
 from ._segment import LOW_PRECISION, Segment, versions
 from ._state import _StateMap, export_state_dict, import_state_dict, run_load_pre_hooks, state_dict_with_hooks
+from ._step_call import hooked_step
 
 
 def _append_flag(partials: Tensor, flag: Tensor) -> Tensor:
     """Partials with one more column ``[0, flag]``: a flag > 0 makes the update skip."""
     return torch.cat([partials, torch.stack([torch.zeros_like(flag), flag])[:, None]], 1)
-
-
-def _hyper_key(v):
-    if isinstance(v, Tensor):
-        return ("tensor", id(v), v._version)
-    if isinstance(v, (list, tuple)):
-        return tuple(_hyper_key(x) for x in v)
-    return v
 
 
 def _on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
@@ -169,22 +162,17 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         checked = self.__dict__.get("_checked_hyper")
         if checked is None:
             checked = self._checked_hyper = {}
-        for gi, group in enumerate(self.param_groups):
-            # a list is compared by a copy of its items, tensors (alone or in a tuple or list) by identity and
-            # version counter: comparing tensors by value could read a device tensor
-            key = [(k, _hyper_key(v)) for k, v in group.items() if k != "params"]
-            if checked.get(gi) == key:
-                continue
-            self._validate_group(group, f" in param_groups[{gi}]")
-            checked[gi] = key
-            self._provide_states(gi, group)
+        P.check_changed_groups(self.param_groups, checked, self._validate_and_provide)
 
-    def _provide_states(self, gi: int, group: dict) -> None:
-        """Group ``gi``'s segments rebuilt, carrying their state, when its step now reads a state they lack (SGD's
-        momentum buffer once a scheduler or the loop switches momentum on): checked when the group changed."""
+    def _validate_and_provide(self, group: dict, where: str) -> None:
+        """A changed group checked, and its segments rebuilt, carrying their state, when its step now reads a state
+        they lack (SGD's momentum buffer once a scheduler or the loop switches momentum on)."""
+        self._validate_group(group, where)
         needed = self._state_names_for(group)
-        if any(name not in seg.states for seg in self._segments if seg.group_index == gi for name in needed):
-            self._repack({gi})
+        stale = {seg.group_index for seg in self._segments if self.param_groups[seg.group_index] is group
+                 and any(name not in seg.states for name in needed)}
+        if stale:
+            self._repack(stale)
 
     @staticmethod
     def _check_divisor(grad_divisor) -> None:
@@ -234,7 +222,7 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
             partials = _append_flag(partials, found_inf.float())
         return partials, inv_scale
 
-    @torch.no_grad()
+    @hooked_step
     def step(self, closure=None, *, grad_divisor=None, loss: Optional[Tensor] = None):
         """One fused step over every parameter that has a gradient. ``grad_divisor`` (number or device
         tensor) divides the gradients exactly, folded into the unscale coefficient, so the norm, clip and inf

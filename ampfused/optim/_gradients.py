@@ -21,6 +21,7 @@ from ._segment import Segment, is_dtensor
 
 
 _NO_GRAD = -1  # the numel column of a table row without a gradient (step_args.h)
+_SIZES = 2  # ampfused._host.CHANGED_SIZES: the scan changed a numel column
 
 
 def _host():
@@ -150,9 +151,13 @@ class ReadGradients:
         chunk = backend.table_chunk
         dtypes = set()
         for seg in self._segments:
-            status, _, active, chunks = host.scan(seg.params, seg.record_address, seg.table_address, chunk)
+            status, _, active, chunks, changed = host.scan(seg.params, seg.record_address, seg.table_address,
+                                                           chunk)
             if status:
+                seg.restamp()  # the table is partly written: no copy of it may be taken for current
                 return None
+            if changed:
+                seg.restamp(sizes=bool(changed & _SIZES))
             batch.counts.append(active)
             batch.chunks += chunks
             if active:
@@ -170,6 +175,11 @@ class ReadGradients:
             return memo[2]
         found = None
         for seg in self._segments:
+            if not seg.sharded and any(p.device != seg.device or p.dtype is not seg.dtype for p in seg.params):
+                # moved or cast since the segment was built: the step follows first (the Python path rebuilds
+                # the segments), and the backend is resolved for where and what the state goes to, never for
+                # what it leaves (a backend forced for the new device would be refused for the old one)
+                return None
             b = ops.registry.get_backend(ops.step_backend(seg.device, seg.step_dtypes, self.backend))
             k1 = ops.registry.get_backend(ops.step_backend(seg.device, (str(seg.dtype),), self.backend))
             if seg.sharded or b is None or not b.takes_tables or k1 is not b or found not in (None, b):
@@ -214,8 +224,8 @@ class ReadGradients:
         every rank clips by the global norm and skips on an overflow anywhere."""
         if batch.tables:
             return batch.backend.norm_check_tables(
-                [(seg.table_address, len(seg), seg.dtype, seg.table) for seg, n in zip(self._segments, batch.counts)
-                 if n],
+                [(seg.table_address, len(seg), seg.dtype, seg.table, seg.stamps)
+                 for seg, n in zip(self._segments, batch.counts) if n],
                 batch.chunks, inv_scale)
         partials = ops.call_k1(op, batch.active, inv_scale, batch.dtypes, self.backend)
         if not self._shard_groups:

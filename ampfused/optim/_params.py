@@ -8,13 +8,16 @@ them through ``param_groups`` between steps.
 from __future__ import annotations
 
 import math
-from typing import List
+import operator
+from typing import Callable, List
 
 import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PLAIN = (float, int, bool, str, type(None))  # hyperparameter values that cannot change in place
+_is = operator.is_
 
 
 def _name(gi: int, k: int, p: Tensor) -> str:
@@ -194,3 +197,30 @@ def check_momentum(momentum, dampening, nesterov, where: str = "") -> None:
         raise ValueError(f"Invalid dampening value: {dampening}{where}")
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(f"Nesterov momentum requires a momentum and zero dampening{where}")
+
+
+def _hyper_key(v):
+    if isinstance(v, Tensor):
+        return ("tensor", id(v), v._version)
+    if isinstance(v, (list, tuple)):
+        return tuple(_hyper_key(x) for x in v)
+    return v
+
+
+def check_changed_groups(groups: List[dict], checked: dict, validate: Callable[[dict, str], None]) -> None:
+    """``validate(group, where)`` for each group whose hyperparameters are not those it had at its last check
+    (``checked``: group index -> what was seen then, kept here). A group whose keys and values are the very
+    objects of its last check, none of which can change in place (numbers, strings, tuples of them), is passed
+    over without a look at its items; otherwise a list is compared by a copy of its items, tensors (alone or in
+    a tuple or list) by identity and version counter: comparing tensors by value could read a device tensor."""
+    for gi, group in enumerate(groups):
+        last = checked.get(gi)
+        if last is not None and last[0] is not None and len(group) == len(last[0]) and \
+                all(map(_is, group, last[0])) and all(map(_is, group.values(), last[1])):
+            continue
+        key = [(k, _hyper_key(v)) for k, v in group.items() if k != "params"]
+        if last is None or last[2] != key:
+            validate(group, f" in param_groups[{gi}]")
+        plain = all(type(v) in _PLAIN or type(v) is tuple and all(type(x) in _PLAIN for x in v)
+                    for k, v in group.items() if k != "params")
+        checked[gi] = (tuple(group) if plain else None, tuple(group.values()), key)

@@ -18,6 +18,7 @@ parameters (:meth:`Segment.state_view`), so ``torch.distributed.checkpoint`` sav
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Dict, List, Optional
 
@@ -37,6 +38,9 @@ except ImportError:  # torch built without distributed support
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 _data_ptr = Tensor.data_ptr
+# Stamps name what a segment's tensor table holds: never reused in a process, so a backend's copy of a table
+# (keyed by the table's address, which a later segment's table may reuse) is current iff its stamp matches.
+_STAMPS = itertools.count(1)
 
 
 def is_dtensor(t) -> bool:
@@ -112,6 +116,7 @@ class Segment:
         self.record = numpy.full((len(self.params), 2), -1, dtype=numpy.int64)
         self.table = numpy.zeros((len(self.params), 4), dtype=numpy.int64)
         self.table[:, 3] = self.offsets
+        self.restamp()
         self._addresses()
         self.all_state = False  # every parameter has state (no per-parameter bookkeeping after a step)
         self.keep_remainders = False  # set by a load: the next follow keeps the loaded remainders
@@ -134,7 +139,15 @@ class Segment:
 
     def __setstate__(self, state: dict) -> None:  # a copy or an unpickled segment has buffers of its own
         self.__dict__.update(state)
+        self.restamp()
         self._addresses()
+
+    def restamp(self, addresses: bool = True, sizes: bool = True) -> None:
+        """The table's contents changed: its addresses (the tensors' places), its sizes (the numel column, which
+        the work lists are built from), or both. ``stamps`` is ``(table, sizes)``: the table's device copies
+        are reused while the first is unchanged, the work lists built from it while the second is."""
+        old = getattr(self, "stamps", (0, 0))
+        self.stamps = (next(_STAMPS) if addresses or sizes else old[0], next(_STAMPS) if sizes else old[1])
 
     @property
     def ptrs(self) -> List[int]:

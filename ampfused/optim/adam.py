@@ -80,7 +80,7 @@ class AdamMath:
 
     def _step_op_table(self, seg, backend, group, partials, inv_scale, lr, max_norm) -> None:
         beta1, beta2, decoupled = self._hyper(group)
-        table = (seg.table_address, len(seg), seg.table)
+        table = (seg.table_address, len(seg), seg.table, seg.stamps)
         backend.adam_step_table(table, seg.dtype, seg.master, seg.states["exp_avg"],
                                 seg.states["exp_avg_sq"], seg.steps, partials, inv_scale, lr, self._stats,
                                 beta1, beta2, float(group["eps"]), float(group["weight_decay"]),

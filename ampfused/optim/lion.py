@@ -55,7 +55,7 @@ class LionMath:
 
     def _step_op_table(self, seg, backend, group, partials, inv_scale, lr, max_norm) -> None:
         beta1, beta2 = self._betas(group)
-        table = (seg.table_address, len(seg), seg.table)
+        table = (seg.table_address, len(seg), seg.table, seg.stamps)
         backend.lion_step_table(table, seg.dtype, seg.master, seg.states["exp_avg"], seg.steps, partials,
                                 inv_scale, lr, self._stats, beta1, beta2, float(group["weight_decay"]), max_norm,
                                 bool(group["maximize"]), getattr(seg, "seed", None), **_scales_kw(seg))

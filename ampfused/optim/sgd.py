@@ -51,7 +51,7 @@ class SgdMath:
 
     def _step_op_table(self, seg, backend, group, partials, inv_scale, lr, max_norm) -> None:
         momentum = float(group["momentum"])
-        table = (seg.table_address, len(seg), seg.table)
+        table = (seg.table_address, len(seg), seg.table, seg.stamps)
         backend.sgd_step_table(table, seg.dtype, seg.master, seg.states.get("momentum_buffer"),
                                seg.steps, partials, inv_scale, lr, self._stats, momentum,
                                float(group["dampening"]), float(group["weight_decay"]), bool(group["nesterov"]),

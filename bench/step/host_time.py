@@ -1,20 +1,33 @@
 """Host time of one fused step: ``python -m bench.step.host_time``.
 
-Times ``opt.step()`` and ``scaler.step(opt)`` + ``scaler.update()`` of ``ampfused.FusedAdamW`` (bf16 tensors of 16
-elements, so the kernels' own work is negligible and what is measured is the host's) on the CPU, for several
-tensor counts, with the optimizers' host pass (``ampfused._host``) and with it switched off (the Python path
-that computes the same tables). Both run in one process, each the median of 5 rounds; print a markdown table.
+Two tables, in one process:
+
+* **the host pass**: ``opt.step()`` and ``scaler.step(opt)`` + ``scaler.update()`` of ``ampfused.FusedAdamW``
+  (bf16 tensors of 16 elements, so the kernels' own work is negligible and what is measured is the host's) on
+  the CPU backend, for several tensor counts, with the optimizers' host pass (``ampfused._host``) and with it
+  switched off (the Python path that computes the same tables); each the median of 5 rounds' wall time;
+* **each backend's host part** (``--backends``): ``opt.step()`` over bf16 parameters of ``--params`` elements in
+  all (1M), split into each tensor count, with each backend as it is up to its kernels, the kernels replaced
+  by calls that do nothing (:mod:`bench.step.host_stubs`: ``cpu``, ``cuda`` and ``triton`` run here without a
+  device, ``reference`` is the Python path). In place (the same gradient tensors every step, as
+  ``zero_grad(set_to_none=False)`` leaves them) and with fresh gradients (new tensors each step, at new
+  addresses, as backward hands them after the default ``zero_grad()``); per step and per tensor, the median
+  over every step of the thread's CPU time (so that a step preempted on a shared machine counts what it ran,
+  not what it waited; a call of the clock costs about a microsecond of it).
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
-from typing import List
+from typing import List, Optional
 
 import torch
 
 import ampfused
 from ampfused.optim import _gradients
+
+from . import host_stubs
 
 
 def time_step(tensors: int, use_host: bool, scaler_path: bool, calls: int = 20000, rounds: int = 5) -> float:
@@ -68,15 +81,98 @@ def table(counts: List[int], calls: int = 20000, rounds: int = 5) -> str:
     return "\n".join(rows)
 
 
-def main(argv=None) -> None:
+def _split(total: int, tensors: int) -> List[int]:
+    base, extra = divmod(total, tensors)
+    return [base + (1 if i < extra else 0) for i in range(tensors)]
+
+
+def time_backend(backend: str, tensors: int, params: int, fresh: bool, scaler_path: bool = False,
+                 calls: int = 20000, rounds: int = 5, sets: int = 3) -> float:
+    """Median microseconds of this thread's CPU time per ``opt.step()`` (with ``scaler_path``: ``scaler.step`` +
+    ``update``), over ``rounds * max(20, calls // tensors)`` steps, with ``backend``'s host part (:func:`host_stubs.host_only`) over ``tensors`` bf16 parameters of ``params`` elements in all;
+    ``fresh``: each step's gradients are new tensors (``sets`` sets of them in turn, assigned outside the timing)."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in _split(params, tensors)]
+    grads = [[torch.randn_like(p) for p in ps] for _ in range(sets if fresh else 1)]
+    with host_stubs.host_only(backend) as name:
+        opt = ampfused.FusedAdamW(ps, lr=1e-3, max_grad_norm=1.0, backend=name)
+        scaler = ampfused.GradScaler("cpu")
+        one = torch.ones(())
+
+        def call():
+            if scaler_path:
+                scaler.scale(one)
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+
+        def give(k):
+            if fresh or k == 0:
+                for p, g in zip(ps, grads[k % len(grads)]):
+                    p.grad = g
+
+        for k in range(6):
+            give(k)
+            call()
+        n = max(20, calls // tensors)
+        times: List[float] = []
+        clock = time.thread_time  # this thread's CPU time: a step preempted on a shared machine is not charged
+        for _ in range(rounds * n):
+            give(len(times))
+            t0 = clock()
+            call()
+            times.append(clock() - t0)
+    return statistics.median(times) * 1e6
+
+
+def backend_table(backends: List[str], counts: List[int], params: int = 1 << 20, calls: int = 20000,
+                  rounds: int = 5, scaler: bool = False) -> str:
+    """One row per backend and tensor count: host microseconds per step and nanoseconds per tensor, in place and
+    with fresh gradients (and with the scaler in place, when asked)."""
+    head = "| backend | tensors | in place | per tensor | fresh gradients | per tensor | fresh / in place |"
+    rule = "| --- | --- | --- | --- | --- | --- | --- |"
+    if scaler:
+        head += " scaler, in place |"
+        rule += " --- |"
+    rows = [head, rule]
+    for b in backends:
+        for t in counts:
+            inplace = time_backend(b, t, params, False, False, calls, rounds)
+            fresh = time_backend(b, t, params, True, False, calls, rounds)
+            row = (f"| {b} | {t} | {inplace:.1f} us | {inplace / t * 1e3:.0f} ns | {fresh:.1f} us | "
+                   f"{fresh / t * 1e3:.0f} ns | {fresh / inplace:.2f} |")
+            if scaler:
+                row += f" {time_backend(b, t, params, False, True, calls, rounds):.1f} us |"
+            rows.append(row)
+    return "\n".join(rows)
+
+
+def _ints(text: str) -> List[int]:
+    return [int(float(t[:-1]) * (1 << 20)) if t.endswith("M") else int(t) for t in text.split(",")]
+
+
+def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.step.host_time", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tensors", default="1,200,2000", help="comma-separated tensor counts (default 1,200,2000)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--calls", type=int, default=20000, help="calls per round, divided by the tensor count")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--backends", default=",".join(host_stubs.NAMES),
+                    help=f"backends whose host part to time (default {','.join(host_stubs.NAMES)}; empty: none)")
+    ap.add_argument("--backend-tensors", default="200,2000", help="tensor counts of that table (default 200,2000)")
+    ap.add_argument("--params", default="1M", help="parameters in all, split over the tensors (default 1M)")
+    ap.add_argument("--scaler", action="store_true", help="also time scaler.step + update in place per backend")
+    ap.add_argument("--skip-host-pass", action="store_true", help="only the table of the backends' host parts")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(table([int(t) for t in args.tensors.split(",")], args.calls, args.rounds))
+    if not args.skip_host_pass:
+        print(table([int(t) for t in args.tensors.split(",")], args.calls, args.rounds))
+        print()
+    backends = [b for b in args.backends.split(",") if b]
+    if backends:
+        print(backend_table(backends, _ints(args.backend_tensors), _ints(args.params)[0], args.calls, args.rounds,
+                            args.scaler))
 
 
 if __name__ == "__main__":

@@ -55,47 +55,56 @@ const at::Tensor* plain(PyObject* obj) {
   return &t;
 }
 
-// scan(params, record, table, chunk) -> (status, index, active, chunks)
+// What scan() found changed in the table (its last return value, on kOk): bits of
+enum Changed : int64_t {
+  kAddresses = 1,  // a parameter's or gradient's address: the table's device copy is stale
+  kSizes = 2,      // a numel column (a gradient appeared or went): the work lists built from it are stale too
+};
+
+// scan(params, record, table, chunk) -> (status, index, active, chunks, changed)
 //   params: the segment's parameters (a list);
 //   record: int64 [T, 2] host buffer (address): each parameter's (data address, version) as the optimizer
 //           left it;
 //   table:  int64 [T, kTableCols] host buffer (address): the segment's tensor table; the param, grad and
 //           numel columns are written, the offset column is the segment's and is left alone;
 //   chunk:  K1's chunk length, to count the partials the active gradients make.
-// On kOk, `active` is the number of parameters with a gradient and `chunks` their K1 chunk count; on any
-// other status the table is partly written and must not be used.
+// On kOk, `active` is the number of parameters with a gradient, `chunks` their K1 chunk count and `changed`
+// what differs from the table as the last scan left it (Changed bits; each row compared while it is written,
+// so that a step with the same tensors as the last one needs no pass over the table to know it); on any other
+// status the table is partly written and must not be used (nor compared with: its copies must be rebuilt).
 py::tuple scan(py::list params, uintptr_t record, uintptr_t table, int64_t chunk) {
   const int64_t n = int64_t(PyList_GET_SIZE(params.ptr()));
   const int64_t* rec = reinterpret_cast<const int64_t*>(record);
   int64_t* rows = reinterpret_cast<int64_t*>(table);
-  int64_t active = 0, chunks = 0;
+  int64_t active = 0, chunks = 0, changed = 0;
   for (int64_t k = 0; k < n; ++k) {
     const at::Tensor* pp = plain(PyList_GET_ITEM(params.ptr(), k));
-    if (pp == nullptr) return py::make_tuple(int64_t(kNotPlain), k, 0, 0);
+    if (pp == nullptr) return py::make_tuple(int64_t(kNotPlain), k, 0, 0, 0);
     const at::Tensor& p = *pp;
     const int64_t address = int64_t(reinterpret_cast<uintptr_t>(p.data_ptr()));
     if (address != rec[2 * k] || int64_t(p._version()) != rec[2 * k + 1]) {
-      return py::make_tuple(int64_t(kParamChanged), k, 0, 0);
+      return py::make_tuple(int64_t(kParamChanged), k, 0, 0, 0);
     }
     int64_t* row = rows + k * ampfused::kTableCols;
-    row[ampfused::kColParam] = address;
+    int64_t grad = 0, numel = ampfused::kNoGrad;
     const at::Tensor& g = p.grad();
-    if (!g.defined()) {
-      row[ampfused::kColGrad] = 0;
-      row[ampfused::kColNumel] = ampfused::kNoGrad;
-      continue;
+    if (g.defined()) {
+      if (g.layout() != at::kStrided || g.scalar_type() != p.scalar_type() || g.device() != p.device() ||
+          g.unsafeGetTensorImpl()->is_python_dispatch() || !same_layout(p, g)) {
+        return py::make_tuple(int64_t(kGradIrregular), k, 0, 0, 0);
+      }
+      numel = g.numel();
+      grad = int64_t(reinterpret_cast<uintptr_t>(g.data_ptr()));
+      ++active;
+      chunks += (numel + chunk - 1) / chunk;
     }
-    if (g.layout() != at::kStrided || g.scalar_type() != p.scalar_type() || g.device() != p.device() ||
-        g.unsafeGetTensorImpl()->is_python_dispatch() || !same_layout(p, g)) {
-      return py::make_tuple(int64_t(kGradIrregular), k, 0, 0);
-    }
-    const int64_t numel = g.numel();
-    row[ampfused::kColGrad] = int64_t(reinterpret_cast<uintptr_t>(g.data_ptr()));
+    if (row[ampfused::kColNumel] != numel) changed |= kSizes | kAddresses;
+    if (row[ampfused::kColParam] != address || row[ampfused::kColGrad] != grad) changed |= kAddresses;
+    row[ampfused::kColParam] = address;
+    row[ampfused::kColGrad] = grad;
     row[ampfused::kColNumel] = numel;
-    ++active;
-    chunks += (numel + chunk - 1) / chunk;
   }
-  return py::make_tuple(int64_t(kOk), int64_t(-1), active, chunks);
+  return py::make_tuple(int64_t(kOk), int64_t(-1), active, chunks, changed);
 }
 
 // bump(params, table, record): after the step wrote them, bump the version counter of every parameter
@@ -175,6 +184,8 @@ PYBIND11_MODULE(_host, m) {
   m.attr("PARAM_CHANGED") = int64_t(kParamChanged);
   m.attr("GRAD_IRREGULAR") = int64_t(kGradIrregular);
   m.attr("NOT_PLAIN") = int64_t(kNotPlain);
+  m.attr("CHANGED_ADDRESSES") = int64_t(kAddresses);
+  m.attr("CHANGED_SIZES") = int64_t(kSizes);
   m.def("build_info", &build_info);
   m.def("scan", &scan, py::arg("params"), py::arg("record"), py::arg("table"), py::arg("chunk"));
   m.def("bump", &bump, py::arg("params"), py::arg("table"), py::arg("record"));
