@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 _FUNC = re.compile(r"^\s*Function\s*:\s*(\S+)")
 _INSN = re.compile(r"^\s*/\*([0-9a-fA-F]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 _TARGET = re.compile(r"(?:0x)?([0-9a-fA-F]+)\s*$")
-_ARCH = re.compile(r"arch\s*=\s*(sm_\d+a?)")
+_ARCH = re.compile(r"(?:arch\s*=|code for)\s*(sm_\d+a?)")
 
 
 @dataclass
