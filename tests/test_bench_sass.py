@@ -1,7 +1,10 @@
 """python -m bench.sass: the SASS reader (loops, the longest path of a trip, memory widths, elements per trip) on a
 small listing written here, and on the built CUDA module's sm_90 code where cuobjdump is installed."""
 import glob
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -135,3 +138,22 @@ def test_built_module_every_compact_mode_moves_8_elements_a_trip_in_wide_accesse
             assert r.trip.bars == 0, (op, mode.label)
             # the gradient, the weight and its remainder in 16-byte accesses: no 1- or 2-byte ones
             assert not any(k.endswith((".8", ".16")) for k in r.trip.widths), (op, mode.label, r.trip.widths)
+
+
+@pytest.mark.skipif(C.tool("cuobjdump") is None or C.tool("nvdisasm") is None,
+                    reason="needs cuobjdump and nvdisasm (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+def test_triton_compact_kernel_for_sm90_moves_8_elements_a_trip_in_wide_accesses():
+    pytest.importorskip("triton")
+    # compiled, not interpreted: in a process of its own without TRITON_INTERPRET (set here when there is no GPU)
+    code = ("import json; from bench.sass import modes as M, triton as T; "
+            "mode = next(m for m in M.MODES if m.label == '+rem+bf16m'); "
+            "(r,) = T.rows(ops=('adam',), modes=(mode,)); print(json.dumps([r.backend, r.elems, r.trip.widths]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    backend, elems, widths = json.loads(out.stdout.strip().splitlines()[-1])
+    assert backend == "triton" and elems == 8
+    # remainders and bf16 moments 4 elements per access at least (8-byte aligned), the rest 16 bytes
+    assert not any(k.endswith((".8", ".16", ".32")) for k in widths), widths
