@@ -6,14 +6,15 @@ The SASS comes from the CUDA sources compiled here for sm_90 with the project's 
 
 Which loop, and how many elements a trip handles: K2 is one kernel per (gradient, weight, optimizer, weight
 format, moment type), ``step_kernel<G, P, Op, kFmt, S>``. Its element loop is the innermost loop (a backward
-branch whose body holds no other) that stores to global memory and handles the most elements per trip (of
-several that handle as many, the one with the fewest memory instructions: the vector loop, not the masked one). Elements per trip: in a mode that
-rounds stochastically, the hashes in the trip over the draws each element makes (the hash's second multiplier
-is an immediate operand, one per draw: exact); otherwise Adam's square roots (one ``MUFU.RSQ`` per element);
-otherwise (SGD) the bytes the trip loads over the bytes an element reads, to the nearest power of two, where
-the bytes it stores agree and some load is 2 or 16 bytes wide (bf16 gradients, one or eight at a time). Instructions per element are the static count of that loop's body over its
-elements: a trip's every instruction once, both sides of a branch inside it included (an upper bound); the
-per-chunk work outside the loop (reading a table row, the keys) is spread over 16384 elements and left out.
+branch whose body holds no other) that stores to global memory and handles the most elements per trip; of
+several that handle as many, the one with the fewest memory instructions (the vector loop, not the masked one).
+Elements per trip: in a mode that rounds stochastically, the hashes in the trip over the draws each element
+makes (the hash's second multiplier is an immediate operand, one per draw: exact); otherwise Adam's square roots
+(one ``MUFU.RSQ`` per element); otherwise (SGD) the bytes the trip loads over the bytes an element reads, to the
+nearest power of two, where the bytes it stores agree and some load is 2 or 16 bytes wide (bf16 gradients, one
+or eight at a time). Instructions per element: one trip along its longest path (``parse.longest_path``: the
+costliest side of every branch, out-of-line slow paths left out) over its elements; the per-chunk work outside
+the loop (reading a table row, the keys) is spread over 16384 elements and left out.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def tool(name: str) -> Optional[str]:
     try:
         import nvidia
         for base in nvidia.__path__:
-            hits = glob.glob(os.path.join(base, "*", "bin", name)) + glob.glob(os.path.join(base, "*", "*", "bin", name))
+            hits = (glob.glob(os.path.join(base, "*", "bin", name)) +
+                    glob.glob(os.path.join(base, "*", "*", "bin", name)))
             if hits:
                 return hits[0]
     except ImportError:

@@ -154,9 +154,10 @@ __device__ __forceinline__ void update_chunk_q8(const StepArgs& a, const G* grad
   float* __restrict__ sc2 = a.state_scales + a.scale_blocks;
   const auto addr = [&](const void* p) { return reinterpret_cast<uintptr_t>(p); };
   // (offset a multiple of kQBlock, as the layout makes it: checked too, since a vector group's draws need it)
-  const bool aligned = (offset % kQBlock) == 0 && ((addr(grad + lo) | addr(param + lo) | (s.master ? addr(s.master + lo) : 0) |
-                         (s.rem ? addr(s.rem + lo) : 0)) & 15u) == 0 &&
-                       (((s.s1 ? addr(s.s1 + lo) : 0) | (s.s2 ? addr(s.s2 + lo) : 0)) & 7u) == 0;
+  const uintptr_t wide = addr(grad + lo) | addr(param + lo) | (s.master ? addr(s.master + lo) : 0) |
+                         (s.rem ? addr(s.rem + lo) : 0);
+  const uintptr_t codes = (s.s1 ? addr(s.s1 + lo) : 0) | (s.s2 ? addr(s.s2 + lo) : 0);
+  const bool aligned = (offset % kQBlock) == 0 && (wide & 15u) == 0 && (codes & 7u) == 0;
   // whole blocks first (one loop of vector groups), then the partial last block or a misaligned chunk's blocks
   const int64_t whole = aligned ? (hi - lo) / kQBlock : 0;
   const int warp = threadIdx.x / 32;
