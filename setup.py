@@ -366,7 +366,11 @@ setup(
                              # the source-archive test builds the native modules without build isolation
                              "pybind11>=2.10",
                              # torch.testing._internal (PyTorch's optimizer test material, tests/torch_suite)
-                             "expecttest"],
+                             "expecttest",
+                             # cuobjdump -sass (and the nvdisasm it runs): python -m bench.sass reads the CUDA
+                             # kernels' machine code without a GPU (tests/test_bench_sass.py)
+                             "nvidia-cuda-cuobjdump; platform_system == 'Linux'",
+                             "nvidia-cuda-nvdisasm; platform_system == 'Linux'"],
                     "bench": ["matplotlib", "tqdm"],
                     "integrations": ["accelerate==1.15.0", "transformers==5.23.0", "lightning==2.6.6",
                                      "safetensors==0.8.0",

@@ -135,15 +135,22 @@ def _store_state(ptr, idx, n, value, key, index, STATE_BF16: tl.constexpr, MASKE
 
 
 @triton.jit
+def _state16_ptr(base_ptr, start):
+    """Pointer to element ``start`` of a flat 16-bit state buffer (remainders, bf16 moments): 8-byte aligned, since
+    the buffers start 16-byte aligned and a chunk starts at a ``state_layout`` offset (a multiple of 4 elements)
+    plus a multiple of the chunk size; told to the compiler, so 4 elements move in one 64-bit access."""
+    return tl.multiple_of(base_ptr + start, 8)
+
+
+@triton.jit
 def chunk_state_ptrs(w_ptr, master_ptr, s1_ptr, s2_ptr, state, MASTER_FORMAT: tl.constexpr,
                      STATE_BF16: tl.constexpr):
     """A chunk's pointers into the flat buffers at element ``state``: the weight's (``w_ptr`` from
-    ``_step_chunk``; the remainders' for MASTER_REMAINDER) and the two moments'. 16-bit buffers get no
-    alignment hint: a layout offset (4 elements) is 8 bytes of them."""
+    ``_step_chunk``; the remainders' for MASTER_REMAINDER) and the two moments'."""
     if MASTER_FORMAT == MASTER_REMAINDER:
-        w_ptr = master_ptr + state
+        w_ptr = _state16_ptr(master_ptr, state)
     if STATE_BF16:
-        return w_ptr, s1_ptr + state, s2_ptr + state
+        return w_ptr, _state16_ptr(s1_ptr, state), _state16_ptr(s2_ptr, state)
     else:
         return w_ptr, _state_ptr(s1_ptr, state), _state_ptr(s2_ptr, state)
 

@@ -82,6 +82,26 @@ def _per_lane(e_rows, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _q8_decode_fast(code, base, hidden, SIGNED: tl.constexpr):
+    """``_q8_decode``'s bits in fewer operations (the CPU backend's ``q8_decode_cpu``, which
+    tests/test_cpu_compact_blocks.py holds against the reference for every code at every block exponent): a code
+    of exponent field 0 is decoded as the normal value one exponent up less that exponent's power of two
+    ``hidden`` (exact: both lie in one binade). ``base``: ``(E - top) << 23`` (uint32) at the block's exponent E;
+    no intermediate reaches 2**31."""
+    c = code.to(tl.uint32)
+    if SIGNED:
+        mag = c & 0x7F
+    else:
+        mag = c
+    sub = mag < 8
+    v = ((mag << 20) + base + tl.where(sub, 0x800000, 0).to(tl.uint32)).to(tl.float32, bitcast=True)
+    a = tl.where(sub, v - hidden, v)
+    if SIGNED:
+        a = (a.to(tl.uint32, bitcast=True) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
+    return a
+
+
+@triton.jit
 def _load_q8(ptr, scale_ptr, idx, n, base, SIGNED: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
     """A moment's fp32 values at the chunk's lanes ``idx = base + arange(BLOCK)``: its codes decoded with their
     blocks' scales (``scale_ptr``: the chunk's first block in its row of ``state_scales``)."""
@@ -92,7 +112,12 @@ def _load_q8(ptr, scale_ptr, idx, n, base, SIGNED: tl.constexpr, MASKED: tl.cons
     else:
         code = tl.load(ptr + idx)
         scale = tl.load(scale_ptr + base // QBLOCK + k)
-    return _q8_decode(code, _per_lane(_q8_exponent(scale), BLOCK), SIGNED)
+    top: tl.constexpr = 14 if SIGNED else 30
+    e_rows = _q8_exponent(scale)
+    # per block: (E - top) << 23 and the power of two one exponent above the codes' subnormal range
+    base_rows = ((e_rows - top) << 23).to(tl.uint32)
+    hidden_rows = ((e_rows - top + 1) << 23).to(tl.float32, bitcast=True)
+    return _q8_decode_fast(code, _per_lane(base_rows, BLOCK), _per_lane(hidden_rows, BLOCK), SIGNED)
 
 
 @triton.jit

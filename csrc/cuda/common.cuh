@@ -1,6 +1,6 @@
 // Device helpers shared by the CUDA kernels: 128-bit vector loads/stores of 8 elements, the K1 body
-// (sum of squares + non-finite test of one partial), deterministic block reductions (sums, and the integer max of
-// the 8-bit moments' blocks), K2's prologue and its advance of the step counts.
+// (sum of squares + non-finite test of one partial), deterministic block reductions, K2's prologue and its
+// advance of the step counts.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -77,33 +77,8 @@ __device__ __forceinline__ void block_reduce(double& sum, uint32_t& amax) {
   __syncthreads();
 }
 
-// ---- the largest of two integers over the block, in every thread (8-bit moments' block exponents) --------
-
+// Warps of a block (8-bit moments: one block of codes per warp).
 constexpr int kWarps = kThreads / 32;
-
-// An integer max: the same result in any order. `buf` (shared, [2][kWarps]) carries the warps' maxima across one
-// barrier; a caller that reduces again before every thread has read them passes another buffer (two, alternated,
-// are enough: a thread reaches the third reduction only after every thread has passed the second's barrier).
-__device__ __forceinline__ void block_max2(uint32_t& a, uint32_t& b, uint32_t (*buf)[kWarps]) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    a = max(a, __shfl_xor_sync(0xffffffffu, a, o));
-    b = max(b, __shfl_xor_sync(0xffffffffu, b, o));
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) {
-    buf[0][warp] = a;
-    buf[1][warp] = b;
-  }
-  __syncthreads();
-  a = buf[0][0];
-  b = buf[1][0];
-#pragma unroll
-  for (int w = 1; w < kWarps; ++w) {
-    a = max(a, buf[0][w]);
-    b = max(b, buf[1][w]);
-  }
-}
 
 // ---- K1: one partial (tiles j, j + nparts, ...) of one tensor -------------------------------------------
 

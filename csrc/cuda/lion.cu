@@ -8,6 +8,7 @@ namespace {
 struct LionOp {
   using Hyper = LionHyper;
   using Consts = LionConsts;
+  static constexpr int kStates = 1;  // exp_avg (state2 is never used)
   // the step count is not in Lion's math (it keys only the stochastic rounding, which step.cuh draws)
   __device__ __noinline__ static Consts make(float coef, float lr, double, const Hyper& h) {
     return make_lion_consts(coef, lr, h.beta1, h.beta2, h.weight_decay, h.maximize);

@@ -8,6 +8,7 @@ namespace {
 struct SgdOp {
   using Hyper = SgdHyper;
   using Consts = SgdConsts;
+  static constexpr int kStates = 1;  // the momentum buffer (state2 is never used)
   __device__ __noinline__ static Consts make(float coef, float lr, double step, const Hyper& h) {
     return make_sgd_consts(coef, lr, float(step), h.momentum, h.dampening, h.weight_decay, h.nesterov, h.maximize);
   }

@@ -4,6 +4,8 @@
 //   Op::Hyper, Op::Consts
 //   Op::make(coef, lr, step, hyper) -> Consts            (per-parameter constants, math.h)
 //   Op::apply(g, w, s1, s2, consts)                        (one element, math.h)
+//   Op::kStates (optional, default 2)                      (moments it keeps: 1 leaves state2 out of the
+//                                                           compact kernels, which never touch it then)
 //
 // Two-kernel path: K1 already wrote the partials. A persistent grid (at most the blocks that fit on the
 // device at once) runs; every block reduces all partials (same order in every block) and returns at once
@@ -14,9 +16,9 @@
 // (the flat state buffers always are), one at a time otherwise; the n % 8 elements after a parameter's last
 // full vector go one at a time. The last block to finish adds 1 to the step count of every parameter that
 // has a gradient (an integer arrival counter; no floating-point atomics).
-// Compact state (math.h, ampfused/ops/state_precision.py) goes one element per thread per iteration instead:
-// update_chunk_compact (remainders, stochastic rounding, bf16 moments) and update_chunk_q8 (8-bit moments: one
-// block of codes per iteration, its exponent from a block-wide max of the new moments).
+// Compact state (math.h, ampfused/ops/state_precision.py) goes 8 elements per thread per trip too, in
+// compact.cuh: update_chunk_compact (remainders, stochastic rounding, bf16 moments) and, in compact_q8.cuh,
+// update_chunk_q8 (8-bit moments: one block of codes per warp, its exponent a warp-shuffle max, no barrier).
 // Single launch: a cooperative grid computes K1 over the gradients into the partials (the columns of
 // norm_check over the same gradients), waits at a grid barrier, then runs the same K2 body; its partials are
 // bit-identical to K1's, so both paths give the same bits.
@@ -28,6 +30,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "compact_q8.cuh"
 
 namespace ampfused {
 namespace cuda {
@@ -85,114 +88,6 @@ __device__ __forceinline__ void update_chunk(const StepArgs& a, const G* __restr
     if (s1) s1[i] = v1i;
     if (s2) s2[i] = v2i;
     if (has_master) param[i] = from_f32<P>(wi);
-  }
-}
-
-// The weight of element i in a compact format (kFmt): an fp32 master (or the fp32 parameter itself), uint16
-// remainders beside bf16 weights, or bf16 weights alone; its fp32 value before the update, and its stores after
-// (index: the element's place in the flat buffers, which keys its draw; kw: the weight stream's key).
-template <int kFmt, typename P>
-__device__ __forceinline__ float load_weight(const P* __restrict__ param, const float* __restrict__ master,
-                                             const uint16_t* __restrict__ rem, int64_t i) {
-  if (kFmt == kMasterRemainder) return join_master(bf16_t{reinterpret_cast<const bf16_t*>(param)[i].bits}, rem[i]);
-  if (kFmt == kMasterNone || !master) return to_f32(param[i]);
-  return master[i];
-}
-
-template <int kFmt, typename P>
-__device__ __forceinline__ void store_weight(P* __restrict__ param, float* __restrict__ master,
-                                             uint16_t* __restrict__ rem, int64_t i, float w, uint32_t kw,
-                                             int64_t index) {
-  if (kFmt == kMasterRemainder) {
-    bf16_t wb;
-    uint16_t r;
-    split_master(w, wb, r);
-    rem[i] = r;
-    reinterpret_cast<bf16_t*>(param)[i] = wb;
-  } else if (kFmt == kMasterNone) {
-    reinterpret_cast<bf16_t*>(param)[i] = round_stochastic(w, random_bits(kw, index));
-  } else {
-    if (master) master[i] = w;
-    param[i] = from_f32<P>(w);
-  }
-}
-
-// Compact state (math.h, ampfused/ops/state_precision.py): elements [lo, min(n, lo + kStepChunk)) with the
-// weight kept as kFmt says (an fp32 master, uint16 remainders beside bf16 weights, or none: stochastic
-// rounding) and the moments stored as S (float, or bf16 with stochastic rounding); one element per thread
-// per iteration (coalesced across the block). Element i draws at index offset + i of the flat buffers.
-template <typename G, typename P, typename Op, int kFmt, typename S>
-__device__ __forceinline__ void update_chunk_compact(const StepArgs& a, const G* __restrict__ grad,
-                                                     P* __restrict__ param, int64_t n, int64_t offset, int64_t lo,
-                                                     const typename Op::Consts& c, const uint32_t* keys) {
-  const int64_t hi = n < lo + kStepChunk ? n : lo + kStepChunk;
-  float* __restrict__ master = kFmt == kMasterF32 && a.master ? a.master + offset : nullptr;
-  uint16_t* __restrict__ rem = kFmt == kMasterRemainder ? reinterpret_cast<uint16_t*>(a.master) + offset : nullptr;
-  S* __restrict__ s1 = a.state1 ? reinterpret_cast<S*>(a.state1) + offset : nullptr;
-  S* __restrict__ s2 = a.state2 ? reinterpret_cast<S*>(a.state2) + offset : nullptr;
-  const uint32_t kw = keys[0], k1 = keys[1], k2 = keys[2];
-  for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
-    float w = load_weight<kFmt>(param, master, rem, i);
-    float v1 = s1 ? load_state(s1[i]) : 0.0f, v2 = s2 ? load_state(s2[i]) : 0.0f;
-    Op::apply(to_f32(grad[i]), w, v1, v2, c);
-    const int64_t index = offset + i;
-    if (s1) store_state(s1[i], v1, random_bits(k1, index));
-    if (s2) store_state(s2[i], v2, random_bits(k2, index));
-    store_weight<kFmt>(param, master, rem, i, w, kw, index);
-  }
-}
-
-// 8-bit moments (math.h, state_precision.q8_*; reference._Compact.load_state / state_pairs): elements
-// [lo, min(n, lo + kStepChunk)) of one parameter, the weight kept as kFmt says, the moments stored as uint8 codes
-// (state1 signed, state2 unsigned) with one scale per block of kQBlock elements of the flat buffers
-// (a.state_scales: row 0 state1's, row 1 state2's). The layout starts every parameter at a multiple of kQBlock
-// and lo is a multiple of kStepChunk, so the kThreads (== kQBlock) consecutive elements [base, base + kThreads)
-// of an iteration are exactly one block of codes, block (offset + base) / kQBlock, and no other block touches
-// its codes or scale. In the reference's order, per iteration: each thread decodes its element's moments with
-// the block's old exponents, updates the element in registers, the block reduces the largest q8_abs_bits of
-// the new moments (an integer max: the same in any order), each thread encodes its element with the block's new
-// exponents (its draw at index offset + i: streams 1 and 2) and stores its weight, and thread 0 writes the
-// block's new scales. A thread past the parameter's end takes part in the max with 0 and reads and writes
-// nothing. Every thread reads the old scales before the reduction's barrier; thread 0 writes them after it.
-template <typename G, typename P, typename Op, int kFmt>
-__device__ __forceinline__ void update_chunk_q8(const StepArgs& a, const G* __restrict__ grad, P* __restrict__ param,
-                                                int64_t n, int64_t offset, int64_t lo, const typename Op::Consts& c,
-                                                const uint32_t* keys) {
-  static_assert(kThreads == kQBlock && kStepChunk % kQBlock == 0, "an iteration covers one block of codes");
-  __shared__ uint32_t s_big[2][2][kWarps];  // the reduction's buffers, alternated by iteration
-  const int64_t hi = n < lo + kStepChunk ? n : lo + kStepChunk;
-  float* __restrict__ master = kFmt == kMasterF32 && a.master ? a.master + offset : nullptr;
-  uint16_t* __restrict__ rem = kFmt == kMasterRemainder ? reinterpret_cast<uint16_t*>(a.master) + offset : nullptr;
-  uint8_t* __restrict__ q1 = a.state1 ? reinterpret_cast<uint8_t*>(a.state1) + offset : nullptr;
-  uint8_t* __restrict__ q2 = a.state2 ? reinterpret_cast<uint8_t*>(a.state2) + offset : nullptr;
-  float* __restrict__ sc1 = a.state_scales;
-  float* __restrict__ sc2 = a.state_scales + a.scale_blocks;
-  const uint32_t kw = keys[0], k1 = keys[1], k2 = keys[2];
-  int parity = 0;
-  for (int64_t base = lo; base < hi; base += kThreads, parity ^= 1) {  // the same trips in every thread
-    const int64_t i = base + threadIdx.x;
-    const bool live = i < hi;
-    const int64_t blk = (offset + base) / kQBlock;
-    float w = 0.0f, v1 = 0.0f, v2 = 0.0f;
-    if (live) {
-      w = load_weight<kFmt>(param, master, rem, i);
-      if (q1) v1 = q8_decode<true>(q1[i], q8_exponent(sc1[blk]));
-      if (q2) v2 = q8_decode<false>(q2[i], q8_exponent(sc2[blk]));
-      Op::apply(to_f32(grad[i]), w, v1, v2, c);
-    }
-    uint32_t big1 = q8_abs_bits(v1), big2 = q8_abs_bits(v2);  // 0 past the parameter's end
-    block_max2(big1, big2, s_big[parity]);
-    const int32_t e1 = q8_block_exponent(big1), e2 = q8_block_exponent(big2);
-    if (live) {
-      const int64_t index = offset + i;
-      if (q1) q1[i] = q8_encode<true>(v1, e1, random_bits(k1, index));
-      if (q2) q2[i] = q8_encode<false>(v2, e2, random_bits(k2, index));
-      store_weight<kFmt>(param, master, rem, i, w, kw, index);
-    }
-    if (threadIdx.x == 0) {
-      if (q1) sc1[blk] = q8_scale(e1);
-      if (q2) sc2[blk] = q8_scale(e2);
-    }
   }
 }
 

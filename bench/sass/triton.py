@@ -1,0 +1,89 @@
+"""K2's instructions per element in the Triton backend, compiled for sm_90 on a machine without a GPU.
+
+``triton.compile`` with ``GPUTarget("cuda", 90, 32)`` lowers a kernel to PTX and ptxas assembles it: no device is
+asked anything, so each state mode's K2 (``triton_kernels/adam.py``, ``sgd.py``) is compiled here with the
+constexprs its launcher would pass for bf16 weights and gradients (aligned tables, AdamW / SGD with momentum, a
+seed where the mode draws) and disassembled like the CUDA module; the element loop and the counts are found
+the same way (``bench/sass/cuda.py``).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import List
+
+from . import cuda as C
+from . import modes as M
+from . import parse as P
+
+TARGET = ("cuda", 90, 32)
+
+
+def _state_ptr(mode: M.Mode) -> str:
+    return {M.FLOAT: "*fp32", M.BF16: "*bf16", M.U8: "*u8"}[mode.state]
+
+
+def _master_ptr(mode: M.Mode) -> str:
+    return "*i16" if mode.master == M.MASTER_REMAINDER else "*fp32"
+
+
+def _compile(kernel, consts: dict, ptrs: dict, ints: set, num_warps: int) -> bytes:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    names = kernel.arg_names
+    sig = {}
+    for n in names:
+        sig[n] = "constexpr" if n in consts else ptrs.get(n, "i64" if n in ints else "fp32")
+    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget(*TARGET), options={"num_warps": num_warps, "enable_fp_fusion": False})
+    return k.asm["cubin"]
+
+
+def _common(mode: M.Mode, module) -> dict:
+    import triton.language as tl
+    return dict(PARAM_DTYPE=tl.bfloat16, GRAD_DTYPE=tl.bfloat16,
+                HAS_MASTER=mode.master == M.MASTER_FP32, CLIP=True, ALIGNED=True, MASTER_FORMAT=mode.master,
+                STATE_BF16=mode.state == M.BF16, STATE_Q8=mode.state == M.U8, USE_SEED=M.draws(mode, "adam") > 0,
+                MAXIMIZE=False, CHUNK=module.CHUNK, BLOCK=module.BLOCK, PBLOCK=module.PBLOCK, TBLOCK=module.TBLOCK)
+
+
+def adam_cubin(mode: M.Mode) -> bytes:
+    from ampfused.triton_kernels import adam
+    consts = dict(_common(mode, adam), DECOUPLED=True)
+    ptrs = {"table_ptr": "*i64", "chunks_ptr": "*i64", "master_ptr": _master_ptr(mode),
+            "exp_avg_ptr": _state_ptr(mode), "exp_avg_sq_ptr": _state_ptr(mode), "steps_ptr": "*fp32",
+            "partials_ptr": "*fp32", "inv_scale_ptr": "*fp32", "lr_ptr": "*fp32", "out_stats_ptr": "*fp32",
+            "counter_ptr": "*i32", "seed_ptr": "*i64", "scales_ptr": "*fp32"}
+    ints = {"num_chunks", "T", "scale_cols", "P", "p_stride_row", "p_stride_col"}
+    return _compile(adam._adam_kernel, consts, ptrs, ints, adam.NUM_WARPS)
+
+
+def sgd_cubin(mode: M.Mode) -> bytes:
+    from ampfused.triton_kernels import sgd
+    consts = dict(_common(mode, sgd), HAS_MOMENTUM=True, NESTEROV=False,
+                  USE_SEED=M.draws(mode, "sgd") > 0)
+    ptrs = {"table_ptr": "*i64", "chunks_ptr": "*i64", "master_ptr": _master_ptr(mode),
+            "buf_ptr": _state_ptr(mode), "steps_ptr": "*fp32", "partials_ptr": "*fp32", "inv_scale_ptr": "*fp32",
+            "lr_ptr": "*fp32", "out_stats_ptr": "*fp32", "counter_ptr": "*i32", "seed_ptr": "*i64",
+            "scales_ptr": "*fp32"}
+    ints = {"num_chunks", "T", "P", "p_stride_row", "p_stride_col"}
+    return _compile(sgd._sgd_kernel, consts, ptrs, ints, sgd.NUM_WARPS)
+
+
+def rows(ops=("adam", "sgd"), modes=M.MODES) -> List[C.Row]:
+    out = []
+    with tempfile.TemporaryDirectory() as d:
+        for op in ops:
+            for mode in modes:
+                cubin = (adam_cubin if op == "adam" else sgd_cubin)(mode)
+                path = os.path.join(d, "k.cubin")
+                with open(path, "wb") as f:
+                    f.write(cubin)
+                fns = P.parse(C.disassemble(path))
+                found = None
+                for fn in fns:
+                    found = C.element_loop(fn, mode, op) or found
+                if found:
+                    out.append(C.Row("triton", op, mode, found[0], found[1]))
+    return out

@@ -1,0 +1,174 @@
+// K2 over 8-bit moments (math.h q8_*, state_precision.q8_*; reference._Compact.load_state / state_pairs): the
+// moments stored as uint8 codes (state1 signed, state2 unsigned) with one scale per block of kQBlock elements of
+// the flat buffers (a.state_scales: row 0 state1's, row 1 state2's), the weight kept as kFmt says.
+//
+// One warp updates one block of codes: its 32 lanes take a group of kVec consecutive elements each (32 x 8 ==
+// kQBlock), so the block's exponent is a warp-shuffle max, with no barrier; the warps of a thread block take the
+// chunk's blocks in turn. The layout starts every parameter at a multiple of kQBlock and lo is a multiple of
+// kStepChunk, so a warp's elements [base, base + kQBlock) are exactly one block of codes, block
+// (offset + base) / kQBlock, which no other warp touches. In the reference's order: lane 0 reads the block's old
+// scales and hands their exponents to the warp, each lane decodes and updates its elements, the warp reduces
+// the largest q8_abs_bits of the new moments (an integer max: the same in any order), each lane encodes its
+// elements with the block's new exponents (draws at index offset + i, streams 1 and 2) and stores them with its
+// weights, and lane 0 writes the block's new scales. Elements past the parameter's end count as 0 in the max
+// and are neither read nor written.
+#pragma once
+
+#include "compact.cuh"
+
+namespace ampfused {
+namespace cuda {
+
+static_assert(kQBlock == 32 * kVec && kStepChunk % kQBlock == 0, "a warp's groups are one block of codes");
+
+__device__ __forceinline__ uint32_t warp_max(uint32_t x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = max(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// q8_decode's bits in fewer operations (the CPU backend's q8_decode_cpu, csrc/cpu/compact_span.h, which
+// tests/test_cpu_compact_blocks.py holds against the reference for every code at every block exponent): a code
+// of exponent field 0 is decoded as the normal value one exponent up less that exponent's power of two `hidden`
+// (exact: both lie in one binade). base = (E - top) << 23 at the block's exponent E.
+template <bool kSigned>
+__device__ __forceinline__ float q8_decode_fast(uint32_t code, uint32_t base, float hidden) {
+  const uint32_t mag = kSigned ? (code & 0x7fu) : code;
+  const bool sub = mag < 8u;
+  const float v = f32_from_bits((mag << 20) + base + (sub ? (1u << 23) : 0u));
+  const float a = sub ? v - hidden : v;
+  return kSigned ? f32_from_bits(f32_bits(a) | ((code & 0x80u) << 24)) : a;
+}
+
+// q8_encode out of line: a block with a value below its codes' normal range (rare: a block spans 2^13, for
+// exp_avg_sq 2^29, of its largest value in normal codes) takes it, the others q8_encode_normal inline.
+template <bool kSigned>
+__device__ __noinline__ uint32_t q8_encode_any(float x, int32_t block_exp, uint32_t r) {
+  return q8_encode<kSigned>(x, block_exp, r);
+}
+
+// The codes of a moment's group at block exponent e: q8_encode_normal when every value of the block is in the
+// codes' normal range (a warp vote: a warp-uniform branch), else q8_encode. `a`: the values' abs_bits.
+template <bool kSigned, int kAcc>
+__device__ __forceinline__ void encode_group(const float* v, const uint32_t* a, int32_t e, uint32_t key,
+                                             const GroupKey& gk, int64_t index0, uint32_t* codes) {
+  uint32_t r[kVec];
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) r[k] = draw<kAcc>(key, gk, index0, k);
+  bool normal = kAcc != kMasked;
+  if (kAcc != kMasked) {
+    const uint32_t floor = q8_normal_floor<kSigned>(e);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) normal = normal && a[k] >= floor;
+    normal = __all_sync(0xffffffffu, normal);
+  }
+  if (normal) {
+    const uint32_t off = q8_normal_offset<kSigned>(e);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) codes[k] = q8_encode_normal<kSigned>(f32_bits(v[k]), r[k], off);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) codes[k] = q8_encode_any<kSigned>(v[k], e, r[k]);
+  }
+}
+
+// One block of codes: the warp's elements [base, min(hi, base + kQBlock)), lane l's group at base + kVec * l.
+template <typename Op, int kFmt, int kAcc, typename G, typename P>
+__device__ __forceinline__ void q8_block(const Streams<G, P, uint8_t>& s, int64_t base, int64_t hi, int64_t offset,
+                                         float* __restrict__ sc1, float* __restrict__ sc2,
+                                         const typename Op::Consts& c, const uint32_t* keys) {
+  const int lane = threadIdx.x % 32;
+  const int64_t i = base + int64_t(lane) * kVec;
+  const int live = kAcc == kMasked ? (hi - i < kVec ? (hi > i ? int(hi - i) : 0) : kVec) : kVec;
+  const int64_t index0 = offset + i;
+  const int64_t blk = (offset + base) / kQBlock;
+  constexpr bool kS2 = OpStates<Op>::value >= 2;
+  int32_t x1 = 0, x2 = 0;  // the block's exponents before the step
+  if (lane == 0) {
+    if (s.s1) x1 = q8_exponent(sc1[blk]);
+    if (kS2 && s.s2) x2 = q8_exponent(sc2[blk]);
+  }
+  x1 = __shfl_sync(0xffffffffu, x1, 0);
+  x2 = __shfl_sync(0xffffffffu, x2, 0);
+  float g[kVec], w[kVec], v1[kVec], v2[kVec];
+  uint32_t c1[kVec], c2[kVec];
+  load_group<kAcc>(s.grad + i, live, g);
+  load_weights<kFmt, kAcc, kAcc>(s, i, live, w);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) v1[k] = v2[k] = 0.0f;
+  if (s.s1) {
+    load_codes<kAcc>(s.s1 + i, live, c1);
+    const uint32_t base = uint32_t(x1 - Q8Format<true>::kTop) << 23;
+    const float hidden = f32_from_bits(uint32_t(x1 - Q8Format<true>::kTop + 1) << 23);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) v1[k] = q8_decode_fast<true>(c1[k], base, hidden);
+  }
+  if (kS2 && s.s2) {
+    load_codes<kAcc>(s.s2 + i, live, c2);
+    const uint32_t base = uint32_t(x2 - Q8Format<false>::kTop) << 23;
+    const float hidden = f32_from_bits(uint32_t(x2 - Q8Format<false>::kTop + 1) << 23);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) v2[k] = q8_decode_fast<false>(c2[k], base, hidden);
+  }
+  // the block's largest q8_abs_bits of the new moments (the NaN clamp after the reduction: it is monotonic)
+  uint32_t a1[kVec], a2[kVec], big1 = 0, big2 = 0;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    if (kAcc != kMasked || k < live) Op::apply(g[k], w[k], v1[k], v2[k], c);
+    a1[k] = abs_bits(v1[k]), a2[k] = abs_bits(v2[k]);  // 0 past the parameter's end
+    big1 = max(big1, a1[k]), big2 = max(big2, a2[k]);
+  }
+  const int32_t e1 = q8_block_exponent(min(warp_max(big1), 0x7f800000u));
+  const int32_t e2 = q8_block_exponent(min(warp_max(big2), 0x7f800000u));
+  if (s.s1) {
+    encode_group<true, kAcc>(v1, a1, e1, keys[1], group_key(keys[1], index0), index0, c1);
+    store_codes<kAcc>(s.s1 + i, live, c1);
+  }
+  if (kS2 && s.s2) {
+    encode_group<false, kAcc>(v2, a2, e2, keys[2], group_key(keys[2], index0), index0, c2);
+    store_codes<kAcc>(s.s2 + i, live, c2);
+  }
+  store_weights<kFmt, kAcc, kAcc>(s, i, live, w, keys[0], group_key(keys[0], index0), index0);
+  if (lane == 0) {
+    if (s.s1) sc1[blk] = q8_scale(e1);
+    if (kS2 && s.s2) sc2[blk] = q8_scale(e2);
+  }
+}
+
+// Elements [lo, min(n, lo + kStepChunk)) of one parameter: vector groups in every whole block of an aligned
+// chunk (gradient and weight 16-byte aligned; the codes and remainders are, at offsets that are multiples of
+// kQBlock), masked ones in the parameter's last, partial block and in a misaligned chunk.
+template <typename G, typename P, typename Op, int kFmt>
+__device__ __forceinline__ void update_chunk_q8(const StepArgs& a, const G* grad, P* param, int64_t n,
+                                                int64_t offset, int64_t lo, const typename Op::Consts& c,
+                                                const uint32_t* keys) {
+  const int64_t hi = n < lo + kStepChunk ? n : lo + kStepChunk;
+  Streams<G, P, uint8_t> s;
+  s.grad = grad;
+  s.param = param;
+  s.master = kFmt == kMasterF32 && a.master ? a.master + offset : nullptr;
+  s.rem = kFmt == kMasterRemainder ? reinterpret_cast<uint16_t*>(a.master) + offset : nullptr;
+  s.s1 = a.state1 ? reinterpret_cast<uint8_t*>(a.state1) + offset : nullptr;
+  s.s2 = a.state2 ? reinterpret_cast<uint8_t*>(a.state2) + offset : nullptr;
+  float* __restrict__ sc1 = a.state_scales;
+  float* __restrict__ sc2 = a.state_scales + a.scale_blocks;
+  const auto addr = [&](const void* p) { return reinterpret_cast<uintptr_t>(p); };
+  // (offset a multiple of kQBlock, as the layout makes it: checked too, since a vector group's draws need it)
+  const uintptr_t wide = addr(grad + lo) | addr(param + lo) | (s.master ? addr(s.master + lo) : 0) |
+                         (s.rem ? addr(s.rem + lo) : 0);
+  const uintptr_t codes = (s.s1 ? addr(s.s1 + lo) : 0) | (s.s2 ? addr(s.s2 + lo) : 0);
+  const bool aligned = (offset % kQBlock) == 0 && (wide & 15u) == 0 && (codes & 7u) == 0;
+  // whole blocks first (one loop of vector groups), then the partial last block or a misaligned chunk's blocks
+  const int64_t whole = aligned ? (hi - lo) / kQBlock : 0;
+  const int warp = threadIdx.x / 32;
+  for (int64_t b = warp; b < whole; b += kWarps) {
+    q8_block<Op, kFmt, kVector>(s, lo + b * kQBlock, hi, offset, sc1, sc2, c, keys);
+  }
+  const int64_t blocks = (hi - lo + kQBlock - 1) / kQBlock;
+  for (int64_t b = whole + warp; b < blocks; b += kWarps) {
+    q8_block<Op, kFmt, kMasked>(s, lo + b * kQBlock, hi, offset, sc1, sc2, c, keys);
+  }
+}
+
+}  // namespace cuda
+}  // namespace ampfused
