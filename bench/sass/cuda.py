@@ -32,11 +32,11 @@ from . import modes as M
 from . import parse as P
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SOURCES = {"adam": "csrc/cuda/adam.cu", "sgd": "csrc/cuda/sgd.cu"}
+SOURCES = {"adam": "csrc/cuda/adam.cu", "sgd": "csrc/cuda/sgd.cu", "lion": "csrc/cuda/lion.cu"}
 FLAGS = ["-O3", "-std=c++17", "--fmad=false", "-DNDEBUG", "-arch=sm_90", "-cubin"]
 
 # step_kernel<bf16_t, bf16_t, XOp, kFmt, S>: S is f (float), h (uint8_t) or S2_ (bf16_t, a back-reference)
-_KERNEL = re.compile(r"step_kernelINS_6bf16_tES2_NS0_\w*?\d+(Adam|Sgd)OpELi(\d)E(f|h|S2_)EE")
+_KERNEL = re.compile(r"step_kernelINS_6bf16_tES2_NS0_\w*?\d+(Adam|Sgd|Lion)OpELi(\d)E(f|h|S2_)EE")
 _STATE = {"f": M.FLOAT, "h": M.U8, "S2_": M.BF16}
 
 
@@ -71,7 +71,7 @@ def disassemble(binary: str) -> str:
     return out.stdout
 
 
-def compile_sources(ops=("adam", "sgd"), nvcc: Optional[str] = None) -> str:
+def compile_sources(ops=("adam", "sgd", "lion"), nvcc: Optional[str] = None) -> str:
     """SASS of the K2 sources compiled for sm_90 (about 40 s per file)."""
     nvcc = nvcc or shutil.which("nvcc")
     if nvcc is None:

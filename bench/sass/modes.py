@@ -49,7 +49,7 @@ MODES = (
     Mode("+sr+q8m", MASTER_NONE, U8),
 )
 
-MOMENTS = {"adam": 2, "sgd": 1}  # SGD with momentum
+MOMENTS = {"adam": 2, "sgd": 1, "lion": 1}  # SGD with momentum
 
 
 def read_write_bytes(mode: Mode, op: str) -> tuple:
