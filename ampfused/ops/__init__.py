@@ -53,6 +53,7 @@ def _pick(device: torch.device, dtypes: tuple, backend: Optional[str]) -> str:
 # positions of the arguments each op writes (as declared in library.py's mutates_args)
 _MUTATED = {"norm_check": (), "unscale_": (0,), "update_scale_": (0, 1, 6, 7), "adam_step_": (0, 2, 3, 4, 5, 9),
             "sgd_step_": (0, 2, 3, 4, 8)}  # adam: params, master, exp_avg, exp_avg_sq, steps, out_stats
+_MUTATED["adafactor_step_"] = (0, 2, 3, 4, 8)  # params, master, factors, steps, out_stats
 
 
 def _call(op: str, probe: Tensor, *args, **kw):
@@ -68,7 +69,7 @@ def _call(op: str, probe: Tensor, *args, **kw):
             a = args[i]
             if isinstance(a, Tensor):
                 written.append(a)
-            elif i == 0 and op in ("adam_step_", "sgd_step_"):  # only the parameters that had a gradient
+            elif i == 0 and op.endswith("_step_"):  # only the parameters that had a gradient
                 written.extend(p for p, g in zip(a, args[1]) if g is not None)
             elif isinstance(a, (list, tuple)):
                 written.extend(a)
@@ -239,3 +240,10 @@ def call_step_(op: str, *args, seed: Optional[Tensor] = None, state_scales: Opti
     optimizers validate what changed on the host and call this each step, so a step does not re-check every
     tensor."""
     _call(op, args[5] if op == "adam_step_" else args[4], *args, **_compact_kwargs(seed, state_scales))
+
+
+# Adafactor (its state is factored, not shaped like the parameters: ops/adafactor.py)
+from .adafactor import adafactor_step_  # noqa: E402
+from .reference_adafactor import factor_layout  # noqa: E402
+
+__all__ += ["adafactor_step_", "factor_layout"]

@@ -16,6 +16,7 @@ class ReferenceBackend(Backend):
     update_scale_ = staticmethod(reference.update_scale_)
     adam_step_ = staticmethod(reference.adam_step_)
     sgd_step_ = staticmethod(reference.sgd_step_)
+    adafactor_step_ = staticmethod(reference.adafactor_step_)
 
 
 BACKEND = ReferenceBackend()

@@ -432,3 +432,7 @@ def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optio
         w_new = w - lr_c * g
         _commit(skip, pairs + cx.weight_pairs(pm, w_buf, w_new, t, sl))
         steps[i] += (~skip).to(steps.dtype)
+
+
+# Adafactor: its own module (its state is not shaped like the parameters), part of this specification
+from .reference_adafactor import adafactor_step_, factor_layout  # noqa: E402,F401
