@@ -68,6 +68,7 @@ def _same_default(written, real) -> bool:
     ("FusedAdamW(params", ampfused.FusedAdamW),
     ("FusedAdam(params", ampfused.FusedAdam),
     ("FusedSGD(params", ampfused.FusedSGD),
+    ("FusedAdafactor(params", ampfused.FusedAdafactor),
     ("ampfused.GradScaler(device", ampfused.GradScaler),
     ("ampfused.clip_grad_norm_(parameters", ampfused.clip_grad_norm_),
 ])

@@ -5,3 +5,7 @@ from ._state import torch_state_dict
 from .sgd import FusedSGD
 
 __all__ = ["FusedAdam", "FusedAdamW", "FusedSGD", "torch_state_dict"]
+
+from .adafactor import FusedAdafactor  # noqa: E402
+
+__all__ += ["FusedAdafactor"]

@@ -15,6 +15,7 @@ from oracle import assert_close_to_oracle
 
 FUSED: Dict[type, type] = {torch.optim.Adam: ampfused.FusedAdam, torch.optim.AdamW: ampfused.FusedAdamW,
                            torch.optim.SGD: ampfused.FusedSGD}
+FUSED[torch.optim.Adafactor] = ampfused.FusedAdafactor
 
 # What the fused optimizers refuse on purpose (docs/differences-from-torch.md), with the error each raises.
 # Any configuration of torch's test material not refused here must run and match torch.

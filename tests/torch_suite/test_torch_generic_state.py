@@ -17,6 +17,7 @@ from suite_helpers import FUSED, grads_for, make_params, run_steps
 
 KWARGS = {torch.optim.Adam: dict(lr=1e-2, weight_decay=0.1), torch.optim.AdamW: dict(lr=1e-2),
           torch.optim.SGD: dict(lr=1e-2, momentum=0.9, weight_decay=0.1)}
+KWARGS[torch.optim.Adafactor] = dict(lr=1e-2, weight_decay=0.1)
 CASES = [pytest.param(t, id=t.__name__) for t in FUSED] + [
     pytest.param(torch.optim.SGD, id="SGD-no-momentum")]
 
