@@ -223,3 +223,22 @@ def test_input_errors_name_the_rule():
         with pytest.raises(ValueError, match=msg):
             ops.adafactor_step_([p], [g], None, factors, steps, partials, one, lr, stats, **kw)
     assert steps.item() == 0 and factors.abs().sum() == 0
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the cpu backend is not built")
+def test_cpu_bits_do_not_depend_on_the_thread_count():
+    init, layouts = _runs()
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for nt in (1, 3):
+            torch.set_num_threads(nt)
+            run = Run(init, layouts, BF16, master_dtype=F32)
+            for k in range(3):
+                run.step(_grads(k, [s for s, _ in PARAMS], dtype=BF16), "cpu", max_norm=0.3)
+            runs.append(run)
+    finally:
+        torch.set_num_threads(threads)
+    a, b = runs
+    for x, y in zip(a.params + [a.master, a.factors, a.steps], b.params + [b.master, b.factors, b.steps]):
+        assert_bitwise("1 and 3 threads", x, y)

@@ -198,5 +198,8 @@ class CpuBackend(Backend):
                              maximize, torch.get_num_threads(), *_N.compact_args(dtype, master, buf, seed),
                              *_N.q8_args(state_scales))
 
+    # Adafactor: its own table (the factored state is not laid out like the parameters)
+    from .cpu_adafactor import adafactor_step_
+
 
 BACKEND = CpuBackend()
