@@ -271,5 +271,9 @@ class TritonBackend(Backend):
                     lr, out_stats, self._counter(steps.device), momentum, dampening, weight_decay, nesterov,
                     max_norm, maximize, seed, state_scales)
 
+    # Adafactor: its own table (the factored state is not laid out like the parameters)
+    from .triton_adafactor import adafactor_step_
+
 
 BACKEND = TritonBackend()
+
