@@ -242,3 +242,66 @@ def test_cpu_bits_do_not_depend_on_the_thread_count():
     a, b = runs
     for x, y in zip(a.params + [a.master, a.factors, a.steps], b.params + [b.master, b.factors, b.steps]):
         assert_bitwise("1 and 3 threads", x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_backends_match_the_reference(backend):
+    """The CUDA kernels and the compiled Triton kernels on a GPU: within the oracle rule of the reference (run on
+    the same device, fp32 and fp64), bit for bit run to run; remainders give the fp32-master run's masters bit for
+    bit; stochastic rounding bit for bit run to run."""
+    reasons = ops.registry.reasons_for(backend, torch.device("cuda"))
+    if reasons:
+        pytest.skip(f"the {backend} backend cannot run on this GPU: " + "; ".join(reasons))
+    init, layouts = _runs()
+
+    def on_gpu(run):
+        for name in ("master", "factors", "steps", "stats", "seed"):
+            t = getattr(run, name)
+            if t is not None:
+                setattr(run, name, t.cuda())
+        run.params = [p.cuda() for p in run.params]
+        return run
+
+    seed = dict(seed=torch.tensor(5, dtype=torch.int64))
+    runs = {"fast": (Run(init, layouts, BF16, master_dtype=F32), backend),
+            "again": (Run(init, layouts, BF16, master_dtype=F32), backend),
+            "rem": (Run(init, layouts, BF16, remainders=True), backend),
+            "sr": (Run(init, layouts, BF16, **seed), backend), "sr2": (Run(init, layouts, BF16, **seed), backend),
+            "ref32": (Run(init, layouts, BF16, master_dtype=F32), "reference"),
+            "ref64": (Run(init, layouts, F64, state_dtype=F64), "reference")}
+    runs = {k: (on_gpu(r), b) for k, (r, b) in runs.items()}
+    one = torch.ones((), device="cuda")
+    for k in range(3):
+        grads = [g.cuda() for g in _grads(k, [s for s, _ in PARAMS], dtype=BF16)]
+        for name, (run, b) in runs.items():
+            g = [torch.empty_like(p).copy_(x) for p, x in zip(run.params, grads)]
+            partials = reference.norm_check([x.float() for x in grads], one)  # one clip coefficient for all
+            ops.adafactor_step_(run.params, g, run.master, run.factors, run.steps, partials, one,
+                                torch.tensor(1e-2, device="cuda"), run.stats, max_norm=0.5, seed=run.seed,
+                                backend=b, **HYPER)
+    r = {k: v[0] for k, v in runs.items()}
+    for a, b in zip(r["fast"].params + [r["fast"].factors], r["again"].params + [r["again"].factors]):
+        assert_bitwise("run to run", a, b)
+    for a, b in zip(r["sr"].params, r["sr2"].params):
+        assert_bitwise("stochastic rounding run to run", a, b)
+    _assert_oracle("params", r["fast"].weights(), r["ref32"].weights(), r["ref64"].weights())
+    assert_close_to_oracle("factors", r["fast"].factors, r["ref32"].factors, r["ref64"].factors)
+    from ampfused.ops import state_precision as sp
+    offs, _ = state_layout([p.numel() for p in r["rem"].params])
+    for o, p, m in zip(offs, r["rem"].params, r["fast"].weights()):
+        joined = sp.join_master(memory_view(p), r["rem"].master[o:o + p.numel()])
+        assert_bitwise("remainders", joined, memory_view(torch.empty_like(p, dtype=F32).copy_(m)))
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_native_modules_read_the_table_python_writes(kind):
+    from ampfused import _native
+    from ampfused.ops import native_adafactor
+    if _native.unavailable_reason(kind):
+        pytest.skip(f"ampfused's {kind} module is not built: {_native.unavailable_reason(kind)}")
+    assert _native.module(kind).AF_COLS == native_adafactor.AF_COLS
+    p = torch.zeros(2, 3, 4).permute(2, 0, 1)
+    row = native_adafactor.table([p], [None])
+    assert len(row) == native_adafactor.AF_COLS and row[2] == _native.NO_GRAD and row[5] == 3
+    assert row[6:9] == [4, 2, 3] and row[14:17] == list(p.stride())

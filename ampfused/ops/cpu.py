@@ -199,7 +199,7 @@ class CpuBackend(Backend):
                              *_N.q8_args(state_scales))
 
     # Adafactor: its own table (the factored state is not laid out like the parameters)
-    from .cpu_adafactor import adafactor_step_
+    from .native_adafactor import adafactor_step_
 
 
 BACKEND = CpuBackend()

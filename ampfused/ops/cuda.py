@@ -340,5 +340,8 @@ class CudaBackend(CpuBackend):
         self._mod().sgd_step(*head, _N.ptr(buf), *tail, float(momentum), float(dampening), float(weight_decay),
                              bool(nesterov), float(max_norm), bool(maximize), *launch)
 
+    # Adafactor: its table in device memory (ampfused/ops/native_adafactor.py)
+    from .native_adafactor import adafactor_step_cuda as adafactor_step_
+
 
 BACKEND = CudaBackend()

@@ -1,5 +1,5 @@
 """``adafactor_step_`` on the Triton backend (a method of ``TritonBackend``): the Adafactor table
-(``cpu_adafactor.table``) uploaded once per call site and reused while the tensors stay the same, one launch."""
+(``native_adafactor.table``) uploaded once per call site and reused while the tensors stay the same, one launch."""
 from __future__ import annotations
 
 from .. import _native
@@ -9,12 +9,12 @@ def adafactor_step_(self, params, grads, master, factors, steps, partials, inv_s
                      eps1, eps2, d, weight_decay, max_norm, maximize=False, seed=None) -> None:
     """Adafactor: one launch, one program per parameter (``triton_kernels/adafactor.py``); math in
     :func:`ampfused.ops.reference_adafactor.adafactor_step_`."""
-    from . import _work, cpu_adafactor
+    from . import _work, native_adafactor
     from .triton import _capturing, _kernels
     from .reference_adafactor import EPS1_DEFAULT
     params, grads = list(params), list(grads)
-    cpu_adafactor.check(self.name, params, grads, master, factors, steps, partials, inv_scale, lr, out_stats, seed)
-    rows = cpu_adafactor.table(params, grads)
+    native_adafactor.check(self.name, params, grads, master, factors, steps, partials, inv_scale, lr, out_stats, seed)
+    rows = native_adafactor.table(params, grads)
     device = steps.device
 
     def build():

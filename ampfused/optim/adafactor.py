@@ -36,7 +36,10 @@ def _check(lr, beta2_decay, eps, d, weight_decay, where: str = "") -> None:
         raise ValueError(f"weight_decay should be >= 0 but is: {weight_decay}{where}")
 
 
-def _refuse_complex(params) -> None:
+def _refuse(params) -> None:
+    """torch's refusal of complex parameters (before any step here), and DTensor (FSDP2) parameters: a shard
+    holds part of a matrix's rows, and its factors need sums over the whole matrix (docs/adafactor.md)."""
+    from ._segment import is_dtensor
     groups = params if isinstance(params, (list, tuple)) else [params]
     for g in groups:
         items = g.get("params", []) if isinstance(g, dict) else [g]
@@ -45,6 +48,11 @@ def _refuse_complex(params) -> None:
             p = p[1] if isinstance(p, tuple) else p
             if isinstance(p, Tensor) and p.is_complex():
                 raise RuntimeError("Adafactor does not support complex parameters")
+            if is_dtensor(p):
+                raise NotImplementedError(
+                    f"FusedAdafactor got a DTensor parameter (shape {tuple(p.shape)}, placed {p.placements}): its "
+                    "row and column factors need sums over whole matrices, which a shard does not hold; sharded "
+                    "Adafactor (FSDP2, ZeRO-1) is not implemented (docs/adafactor.md)")
 
 
 class AdafactorMath:
@@ -108,6 +116,6 @@ class FusedAdafactor(AdafactorMath, FusedOptimizer):
         self._precision = _precision.make(type(self).__name__, master_weights, store_param_remainders,
                                           bf16_stochastic_round, {}, seed)
         defaults = self.adafactor_defaults(lr, beta2_decay, eps, d, weight_decay, foreach, maximize)
-        _refuse_complex(params)
+        _refuse(params)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
                          backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
