@@ -250,7 +250,7 @@ void update_scale_op(uintptr_t scale, uintptr_t growth_tracker, uintptr_t found_
   finish_scale_update(addr<const float>(scale), found, addr<float>(inv_scale), addr<int64_t>(skipped));
 }
 
-// The Adafactor step (adafactor.h) over a table of kAfCols ints per parameter (ampfused/ops/cpu_adafactor.py).
+// The Adafactor step (adafactor.h) over a table of kAfCols ints per parameter (ampfused/ops/native_adafactor.py).
 void adafactor_step(const std::vector<int64_t>& table, int64_t count, int param_dtype, int grad_dtype,
                     uintptr_t master, uintptr_t factors, uintptr_t steps, int step_code, uintptr_t partials,
                     int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats,
