@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -22,6 +23,7 @@ constexpr int kAfMaxDims = 8;
 // Columns of an Adafactor table row: param, grad, numel (kNoGrad without a gradient), master/weight offset,
 // factors offset, ndim, then kAfMaxDims sizes and kAfMaxDims strides (elements).
 constexpr int kAfCols = 6 + 2 * kAfMaxDims;
+constexpr int64_t kAfColBlock = 64;  // columns summed together by the column pass
 
 struct AfHyper {
   double beta2_decay, eps1, eps2, d, weight_decay, lr;
@@ -151,15 +153,22 @@ void adafactor_param(const AfBufs& bufs, const int64_t* row, float coef, double 
       rows[br] = af_lerp(rows[br], float(gs) / float(C), w2);
       w_row[size_t(br)] = ws;
     }
+    // columns in blocks of kAfColBlock, rows in order inside each: every column's sum in row order (the order
+    // of one column at a time), read along the rows (a row-major matrix's memory order)
+    const int64_t nblk = (C + kAfColBlock - 1) / kAfColBlock;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t bc = 0; bc < B * C; ++bc) {
-      const int64_t at = s.base(bc / C) + (bc % C) * s.sc;
-      double gs = 0.0;
+    for (int64_t bk = 0; bk < B * nblk; ++bk) {
+      const int64_t bb = bk / nblk, c0 = (bk % nblk) * kAfColBlock, c1 = std::min(C, c0 + kAfColBlock);
+      const int64_t base = s.base(bb);
+      double gs[kAfColBlock] = {};
       for (int64_t r = 0; r < R; ++r) {
-        const float gi = e.g(at + r * s.sr);
-        gs += double(gi * gi);
+        const int64_t at = base + r * s.sr;
+        for (int64_t c = c0; c < c1; ++c) {
+          const float gi = e.g(at + c * s.sc);
+          gs[c - c0] += double(gi * gi);
+        }
       }
-      cols[bc] = af_lerp(cols[bc], float(gs) / float(R), w2);
+      for (int64_t c = c0; c < c1; ++c) cols[bb * C + c] = af_lerp(cols[bb * C + c], float(gs[c - c0]) / float(R), w2);
     }
     for (int64_t b = 0; b < B; ++b) {
       double m = 0.0;
