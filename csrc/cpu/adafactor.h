@@ -12,9 +12,11 @@
 #include <cmath>
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "ampfused/math.h"
+#include "ampfused/step_args.h"
 
 namespace ampfused {
 namespace cpu {
@@ -85,6 +87,23 @@ inline float af_clamp_min(float x, float lo) { return x < lo ? lo : x; }
 // Python's max(floor, x): floor unless x is greater (NaN gives floor).
 inline double af_max(double x, double floor) { return x > floor ? x : floor; }
 
+// The sum over c in [0, n) of term(c) (fp64): element c in lane c % kAfLanes, lanes added in order at the end, so
+// the loop vectorises where term does and the order depends only on n.
+constexpr int kAfLanes = 8;
+template <typename Term>
+inline double af_sum(int64_t n, Term term) {
+  double acc[kAfLanes] = {};
+  int64_t c = 0;
+  for (; c + kAfLanes <= n; c += kAfLanes) {
+#pragma omp simd
+    for (int l = 0; l < kAfLanes; ++l) acc[l] += term(c + l);
+  }
+  for (int l = 0; c + l < n; ++l) acc[l] += term(c + l);
+  double sum = 0.0;
+  for (int l = 0; l < kAfLanes; ++l) sum += acc[l];
+  return sum;
+}
+
 template <typename G, typename P, int kFmt>
 struct AfParam {
   const AfBufs& b;
@@ -138,21 +157,23 @@ void adafactor_param(const AfBufs& bufs, const int64_t* row, float coef, double 
   float* rows = f;
   float* cols = f + B * R;
   std::vector<float> rmean(size_t(B), 0.0f);  // max(mean of a matrix's new row factors, eps1)
+  // the passes' loops along rows with the column stride a constant where it is 1 (they vectorise then)
+  const auto with_sc = [&](auto fn) {
+    if (s.sc == 1) fn(std::integral_constant<int64_t, 1>{});
+    else fn(s.sc);
+  };
   if (s.factored) {
     std::vector<double> w_row(size_t(B * R), 0.0), u_row(size_t(B * R), 0.0);
     // 1. row sums (and the weight's) by rows, column sums by columns: each sum in one fixed order
+    with_sc([&](auto sc) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t br = 0; br < B * R; ++br) {
-      const int64_t at = s.base(br / R) + (br % R) * s.sr;
-      double gs = 0.0, ws = 0.0;
-      for (int64_t c = 0; c < C; ++c) {
-        const float gi = e.g(at + c * s.sc), wi = e.w(at + c * s.sc);
-        gs += double(gi * gi);
-        ws += double(wi * wi);
+      for (int64_t br = 0; br < B * R; ++br) {
+        const int64_t at = s.base(br / R) + (br % R) * s.sr;
+        const double gs = af_sum(C, [&](int64_t c) { const float gi = e.g(at + c * sc); return double(gi * gi); });
+        w_row[size_t(br)] = af_sum(C, [&](int64_t c) { const float wi = e.w(at + c * sc); return double(wi * wi); });
+        rows[br] = af_lerp(rows[br], float(gs) / float(C), w2);
       }
-      rows[br] = af_lerp(rows[br], float(gs) / float(C), w2);
-      w_row[size_t(br)] = ws;
-    }
+    });
     // columns in blocks of kAfColBlock, rows in order inside each: every column's sum in row order (the order
     // of one column at a time), read along the rows (a row-major matrix's memory order)
     const int64_t nblk = (C + kAfColBlock - 1) / kAfColBlock;
@@ -176,17 +197,19 @@ void adafactor_param(const AfBufs& bufs, const int64_t* row, float coef, double 
       rmean[size_t(b)] = af_clamp_min(float(m) / float(R), eps1);
     }
     // 2. the update's sum of squares
+    with_sc([&](auto sc) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t br = 0; br < B * R; ++br) {
-      const int64_t bb = br / R, at = s.base(bb) + (br % R) * s.sr;
-      double us = 0.0;
-      for (int64_t c = 0; c < C; ++c) {
-        const float v = af_clamp_min((rows[br] * cols[bb * C + c]) / rmean[size_t(bb)], h.eps1_sq);
-        const float u = e.g(at + c * s.sc) / std::sqrt(v);
-        us += double(u * u);
+      for (int64_t br = 0; br < B * R; ++br) {
+        const int64_t bb = br / R, at = s.base(bb) + (br % R) * s.sr;
+        const float row_f = rows[br], rm = rmean[size_t(bb)];
+        const float* col = cols + bb * C;
+        u_row[size_t(br)] = af_sum(C, [&](int64_t c) {
+          const float v = af_clamp_min((row_f * col[c]) / rm, h.eps1_sq);
+          const float u = e.g(at + c * sc) / std::sqrt(v);
+          return double(u * u);
+        });
       }
-      u_row[size_t(br)] = us;
-    }
+    });
     for (int64_t br = 0; br < B * R; ++br) {
       w_sumsq += w_row[size_t(br)];
       u_sumsq += u_row[size_t(br)];
@@ -208,17 +231,22 @@ void adafactor_param(const AfBufs& bufs, const int64_t* row, float coef, double 
   const uint32_t key = kFmt == kMasterNone ? stream_key(bufs.seed, key_step(t), kStreamWeight) : 0u;
   // 3. the weights
   if (s.factored) {
+    with_sc([&](auto sc) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t br = 0; br < B * R; ++br) {
-      const int64_t bb = br / R, at = s.base(bb) + (br % R) * s.sr;
-      for (int64_t c = 0; c < C; ++c) {
-        const int64_t j = at + c * s.sc;
-        const float v = af_clamp_min((rows[br] * cols[bb * C + c]) / rmean[size_t(bb)], h.eps1_sq);
-        const float u = e.g(j) / std::sqrt(v);
-        const float wi = e.w(j);
-        e.store(j, (decays ? wi * decay : wi) - step * u, key);
+      for (int64_t br = 0; br < B * R; ++br) {
+        const int64_t bb = br / R, at = s.base(bb) + (br % R) * s.sr;
+        const float row_f = rows[br], rm = rmean[size_t(bb)];
+        const float* col = cols + bb * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) {
+          const int64_t j = at + c * sc;
+          const float v = af_clamp_min((row_f * col[c]) / rm, h.eps1_sq);
+          const float u = e.g(j) / std::sqrt(v);
+          const float wi = e.w(j);
+          e.store(j, (decays ? wi * decay : wi) - step * u, key);
+        }
       }
-    }
+    });
   } else {
     for (int64_t j = 0; j < n; ++j) {
       const float u = e.g(j) / std::sqrt(af_clamp_min(f[j], h.eps1_sq));
