@@ -26,7 +26,7 @@ DOCUMENTED_REFUSALS = {
 
 
 def optim_db_entries() -> List:
-    """torch's OptimizerInfo entries for Adam, AdamW and SGD (skips the module when torch's test material
+    """torch's OptimizerInfo entries for Adam, AdamW, SGD and Adafactor (skips the module when torch's test material
     cannot be imported)."""
     pytest.importorskip("expecttest", reason="torch.testing._internal.common_optimizers needs expecttest")
     from torch.testing._internal.common_optimizers import optim_db

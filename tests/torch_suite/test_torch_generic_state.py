@@ -336,6 +336,9 @@ def test_unpickled_optimizer_from_before_torchs_group_keys_gets_them():
                 g.pop(key, None)
         back = pickle.loads(pickle.dumps(opt))
         group = back.param_groups[0]
+        if cls is ampfused.FusedAdafactor:  # torch.optim.Adafactor's __setstate__ gives only foreach
+            assert group["foreach"] is None and "differentiable" not in group
+            continue
         assert group["foreach"] is None and group["differentiable"] is False
         if cls is not ampfused.FusedSGD:
             assert group["decoupled_weight_decay"] is (cls is ampfused.FusedAdamW)
