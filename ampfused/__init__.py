@@ -14,6 +14,10 @@ __all__ = ["ops", "__version__", "SpikeGuard", "FusedAdam", "FusedAdamW", "Fused
            "ScalePolicy", "register_scale_policy", "MinScaleError",
            "ShardedFusedAdam", "ShardedFusedAdamW", "ShardedFusedSGD"]
 
+from .optim import FusedAdafactor  # noqa: E402
+
+__all__ += ["FusedAdafactor"]
+
 _DISTRIBUTED = ("ShardedFusedAdam", "ShardedFusedAdamW", "ShardedFusedSGD")
 
 from .optim import FusedLion  # noqa: E402

@@ -14,7 +14,7 @@ from . import __version__, _native
 from .ops import registry
 
 OPS = ("num_partials", "norm_check", "unscale_", "update_scale_", "adam_step_", "sgd_step_",
-       "lion_step_")
+       "lion_step_", "adafactor_step_")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

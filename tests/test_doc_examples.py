@@ -31,6 +31,7 @@ EXAMPLES = {
     "README.md": [("scaler = ampfused.GradScaler(", "here"), ("opt = ampfused.FusedAdamW(", "here"),
                   ("from ampfused import ops", "here"), ("# my_recipes.py", "here")],
     "docs/api.md": [("FusedAdamW(params, lr=1e-3,", "tests/test_readme.py (the signatures)"),
+                    ("FusedAdafactor(params, lr=1e-2,", "tests/test_readme.py (the signatures)"),
                     ("from ampfused.policies import HysteresisPolicy", "here"),
                     ('@ampfused.register_scale_policy("overflow_rate")', "here"),
                     ("guard = ampfused.SpikeGuard(", "here"), ("tokens = torch.zeros(", "here"),
@@ -43,6 +44,7 @@ EXAMPLES = {
                             ("opt = ampfused.ShardedFusedAdamW(", "tests/distributed/test_dist_readme.py"),
                             ("from torch.distributed.fsdp import fully_shard", "tests/distributed/test_dist_readme.py")],
     "docs/frameworks.md": [("import torch", "tests/integrations/test_readme_examples.py")] * 4,
+    "docs/adafactor.md": [("opt = ampfused.FusedAdafactor(", "here")],
 }
 
 
@@ -61,7 +63,7 @@ def example(doc: str, first_line: str, cpu: bool = True) -> str:
 # the documents whose examples are listed above (the others carry tests of their own)
 LISTED = ["README.md"] + [f"docs/{n}.md" for n in ("api", "frameworks", "distributed", "checkpoints", "cuda-graphs",
                                                     "benchmark", "alignment", "building", "gpu-validation",
-                                                    "architecture")]
+                                                    "architecture", "adafactor")]
 
 
 def test_every_example_is_tested():
@@ -108,6 +110,20 @@ def _changed(before, model):
 
 def _loss_fn(out, y):
     return F.cross_entropy(out.float(), y)
+
+
+def test_adafactor_example_trains_a_bf16_model_with_remainders():
+    model = _model(torch.bfloat16)
+    before = _params(model)
+    ns = dict(torch=torch, ampfused=ampfused, model=model)
+    exec(example("docs/adafactor.md", "opt = ampfused.FusedAdafactor("), ns)
+    opt = ns["opt"]
+    for x, y in _batches(dtype=torch.bfloat16):
+        _loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert _changed(before, model)
+    assert all("master_remainder" in opt.state[p] for p in model.parameters())
 
 
 def test_readme_drop_in_scaler():

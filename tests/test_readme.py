@@ -69,6 +69,7 @@ def _same_default(written, real) -> bool:
     ("FusedAdam(params", ampfused.FusedAdam),
     ("FusedSGD(params", ampfused.FusedSGD),
     ("FusedLion(params", ampfused.FusedLion),
+    ("FusedAdafactor(params", ampfused.FusedAdafactor),
     ("ampfused.GradScaler(device", ampfused.GradScaler),
     ("ampfused.clip_grad_norm_(parameters", ampfused.clip_grad_norm_),
 ])

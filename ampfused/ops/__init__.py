@@ -53,8 +53,9 @@ def _pick(device: torch.device, dtypes: tuple, backend: Optional[str]) -> str:
 
 # positions of the arguments each op writes (as declared in library.py's mutates_args)
 _MUTATED = {"norm_check": (), "unscale_": (0,), "update_scale_": (0, 1, 6, 7), "adam_step_": (0, 2, 3, 4, 5, 9),
-            "sgd_step_": (0, 2, 3, 4, 8),
-            "lion_step_": (0, 2, 3, 4, 8)}  # lion: params, master, exp_avg, steps, out_stats  # adam: params, master, exp_avg, exp_avg_sq, steps, out_stats
+            "sgd_step_": (0, 2, 3, 4, 8),  # adam: params, master, exp_avg, exp_avg_sq, steps, out_stats
+            "lion_step_": (0, 2, 3, 4, 8),  # params, master, exp_avg, steps, out_stats
+            "adafactor_step_": (0, 2, 3, 4, 8)}  # params, master, factors, steps, out_stats
 
 
 def _call(op: str, probe: Tensor, *args, **kw):
@@ -70,7 +71,7 @@ def _call(op: str, probe: Tensor, *args, **kw):
             a = args[i]
             if isinstance(a, Tensor):
                 written.append(a)
-            elif i == 0 and op in ("adam_step_", "sgd_step_", "lion_step_"):  # only the parameters that had a gradient
+            elif i == 0 and op.endswith("_step_"):  # only the parameters that had a gradient
                 written.extend(p for p, g in zip(a, args[1]) if g is not None)
             elif isinstance(a, (list, tuple)):
                 written.extend(a)
@@ -254,3 +255,10 @@ def lion_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
     _call("lion_step_", steps, params, grads, master, exp_avg, steps, partials, inv_scale, lr, out_stats,
           float(beta1), float(beta2), float(weight_decay), float(max_norm), bool(maximize), name,
           **_compact_kwargs(seed, state_scales))
+
+
+# Adafactor (its state is factored, not shaped like the parameters: ops/adafactor.py)
+from .adafactor import adafactor_step_  # noqa: E402
+from .reference_adafactor import factor_layout  # noqa: E402
+
+__all__ += ["adafactor_step_", "factor_layout"]

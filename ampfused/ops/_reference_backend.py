@@ -17,6 +17,7 @@ class ReferenceBackend(Backend):
     adam_step_ = staticmethod(reference.adam_step_)
     sgd_step_ = staticmethod(reference.sgd_step_)
     lion_step_ = staticmethod(reference.lion_step_)
+    adafactor_step_ = staticmethod(reference.adafactor_step_)
 
 
 BACKEND = ReferenceBackend()

@@ -227,5 +227,8 @@ class CpuBackend(Backend):
                               torch.get_num_threads(), *_N.compact_args(dtype, master, exp_avg, seed),
                               *_N.q8_args(state_scales))
 
+    # Adafactor: its own table (the factored state is not laid out like the parameters)
+    from .native_adafactor import adafactor_step_
+
 
 BACKEND = CpuBackend()

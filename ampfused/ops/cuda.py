@@ -385,5 +385,8 @@ class CudaBackend(CpuBackend):
         self._mod().lion_step(*head, exp_avg.data_ptr(), *tail, float(beta1), float(beta2), float(weight_decay),
                               float(max_norm), bool(maximize), *launch)
 
+    # Adafactor: its table in device memory (ampfused/ops/native_adafactor.py)
+    from .native_adafactor import adafactor_step_cuda as adafactor_step_
+
 
 BACKEND = CudaBackend()

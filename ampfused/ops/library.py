@@ -102,3 +102,18 @@ def lion_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
 @lion_step_.register_fake
 def _(*args):
     return None
+
+
+@torch.library.custom_op("ampfused::adafactor_step_",
+                         mutates_args=("params", "master", "factors", "steps", "out_stats"))
+def adafactor_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], factors: Tensor,
+                    steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
+                    beta2_decay: float, eps1: Optional[float], eps2: float, d: float, weight_decay: float,
+                    max_norm: float, maximize: bool, backend: str, seed: Optional[Tensor] = None) -> None:
+    get_backend(backend).adafactor_step_(params, grads, master, factors, steps, partials, inv_scale, lr, out_stats,
+                                         beta2_decay, eps1, eps2, d, weight_decay, max_norm, maximize, seed=seed)
+
+
+@adafactor_step_.register_fake
+def _(*args, **kw):
+    return None

@@ -478,3 +478,6 @@ def lion_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
         m_new = lerp(m, g, 1 - beta2)
         _commit(skip, cx.state_pairs(m_buf, m_new, 0, t, sl) + cx.weight_pairs(pm, w_buf, w_new, t, sl))
         steps[i] += (~skip).to(steps.dtype)
+
+# Adafactor: its own module (its state is not shaped like the parameters), part of this specification
+from .reference_adafactor import adafactor_step_, factor_layout  # noqa: E402,F401

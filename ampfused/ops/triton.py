@@ -317,5 +317,9 @@ class TritonBackend(Backend):
                      partials, inv_scale, lr, out_stats, self._counter(steps.device), beta1, beta2, weight_decay,
                      max_norm, maximize, seed, state_scales)
 
+    # Adafactor: its own table (the factored state is not laid out like the parameters)
+    from .triton_adafactor import adafactor_step_
+
 
 BACKEND = TritonBackend()
+

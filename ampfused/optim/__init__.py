@@ -8,3 +8,6 @@ __all__ = ["FusedAdam", "FusedAdamW", "FusedSGD", "torch_state_dict"]
 
 from .lion import FusedLion, optimi_state_dict  # noqa: E402
 __all__ += ["FusedLion", "optimi_state_dict"]
+from .adafactor import FusedAdafactor  # noqa: E402
+
+__all__ += ["FusedAdafactor"]

@@ -446,7 +446,7 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = run_load_pre_hooks(self, state_dict)
         self._follow_parameters()
-        import_state_dict(self, state_dict)
+        self._import_state_dict(state_dict)
         self._steps_at_load.copy_(self._steps_taken_now())
         if self.spike_guard is not None:
             self.spike_guard.load_state_dict(state_dict.get("spike_guard", {}), self._device)
@@ -454,6 +454,9 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         self._calls[0] = 0
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def _import_state_dict(self, state_dict: dict) -> None:
+        import_state_dict(self, state_dict)
 
     def _export_param_state(self, st: dict, step: float, group: Optional[dict] = None) -> dict:
         out = {k: v for k, v in st.items() if k != "step"}

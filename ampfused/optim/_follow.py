@@ -203,7 +203,8 @@ class FollowParameters:
                     by_dtype.setdefault(p.dtype, []).append(p)
             for dtype, ps in by_dtype.items():
                 segments.append(build_segment(gi, ps, self._use_master(dtype), self._state_names_for(group), previous,
-                                              getattr(self, "_precision", None)))
+                                              getattr(self, "_precision", None),
+                                              getattr(self, "segment_class", None)))
         owner = weakref.ref(self)
         for gi in groups_to_pack:
             self._packed_groups[gi] = list(self.param_groups[gi]["params"])

@@ -244,6 +244,12 @@ class Segment:
         memory_view(mine).copy_(codes)
         self.scale_view(name, i, scales).copy_(block_scales)
 
+    def carry_states(self, i: int, prev: "Segment", j: int) -> None:
+        """``prev``'s parameter ``j``'s moments into parameter ``i`` (see :func:`_carry_moment`)."""
+        for name in self.states:
+            if name in prev.states:
+                _carry_moment(self, i, prev, j, name)
+
     def remember(self) -> None:
         """Record the parameters' addresses and version counters as the segment's own view of them."""
         if torch.compiler.is_compiling():
@@ -300,7 +306,8 @@ def _carry_moment(seg: Segment, i: int, prev: Segment, j: int, name: str) -> Non
 
 @torch.no_grad()
 def build_segment(group_index: int, params: List[Tensor], use_master: bool, state_names: tuple,
-                  previous: Dict[int, tuple], precision: Optional[Precision] = None) -> Segment:
+                  previous: Dict[int, tuple], precision: Optional[Precision] = None,
+                  segment_class: type = None) -> Segment:
     """A segment for ``params``, carrying each one's state from ``previous`` (``id(param) -> (old segment,
     index)``) when it had some: moments and step count follow the parameter to its new device, dtype and
     memory layout; its master is kept where it still rounds to the parameter's values, else rebuilt from
@@ -308,7 +315,7 @@ def build_segment(group_index: int, params: List[Tensor], use_master: bool, stat
     # a state that a parameter had keeps following it, whether or not the group's step reads it now
     names = tuple(dict.fromkeys([*state_names, *(name for param in params if id(param) in previous
                                                  for name in previous[id(param)][0].states)]))
-    seg = Segment(group_index, params, use_master, names, precision)
+    seg = (segment_class or Segment)(group_index, params, use_master, names, precision)
     for i, (param, p) in enumerate(zip(seg.params, seg.tensors())):
         old = previous.get(id(param))
         if old is None:
@@ -316,9 +323,7 @@ def build_segment(group_index: int, params: List[Tensor], use_master: bool, stat
                 seg.set_master_from(i, p)
             continue
         prev, j = old
-        for name in seg.states:
-            if name in prev.states:
-                _carry_moment(seg, i, prev, j, name)
+        seg.carry_states(i, prev, j)
         seg.steps[i:i + 1].copy_(prev.steps[j:j + 1])
         seg.has_state[i] = prev.has_state[j]
         if seg.master is not None:

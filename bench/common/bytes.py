@@ -130,3 +130,40 @@ def lion_bytes_per_param(grad_dtype: torch.dtype, param_dtype: torch.dtype, mast
 def lion_state_bytes_per_param(master: str = "fp32", moment_bytes: float = FP32) -> float:
     """Bytes of Lion's optimizer state per bf16 parameter (the weight itself not counted)."""
     return {"fp32": FP32, "remainder": 2, "none": 0}[master] + moment_bytes
+
+
+# ---- Adafactor (docs/adafactor.md) ------------------------------------------------------------------------
+# Bytes per parameter of each pass of the Adafactor step as the kernels run it, from DRAM when nothing stays in
+# cache (the row and column vectors, O(rows + columns) per matrix, are left out). A matrix (factored):
+#   K1       the norm and inf check: read g
+#   sums     rows: read g and the weight (for its RMS); columns: read g again (columns outer)
+#   update   the update's sum of squares: read g (the factors are small)
+#   apply    read g, read and write the weight, write the model copy
+# A vector (unfactored): K1; one pass for the variance (read + write, fp32) and both sums (g, the weight); one to
+# apply (g, the variance, the weight read and written, the model copy).
+ADAFACTOR_PASSES = ("K1", "sums", "update", "apply")
+
+
+def adafactor_pass_bytes(grad_dtype: torch.dtype, param_dtype: torch.dtype, master: str = "fp32",
+                         factored: bool = True) -> dict:
+    """``{pass: bytes per parameter}`` of one Adafactor step (passes above; ``master`` as in
+    :func:`mode_bytes_per_param`: ``"fp32"``, ``"remainder"`` or ``"none"``)."""
+    if master not in MASTER_KINDS:
+        raise ValueError(f"master must be one of {MASTER_KINDS}, got {master!r}")
+    g = torch.empty((), dtype=grad_dtype).element_size()
+    p = torch.empty((), dtype=param_dtype).element_size()
+    if master == "fp32" and param_dtype != torch.float32:
+        w_read, w_write = FP32, FP32 + p  # the master, and the model copy written from it
+    elif master == "remainder":
+        w_read, w_write = p + 2, p + 2  # the weight and its 16-bit remainder
+    else:
+        w_read, w_write = p, p  # the weight is the only copy
+    if factored:
+        return {"K1": g, "sums": 2 * g + w_read, "update": g, "apply": g + w_read + w_write}
+    return {"K1": g, "sums": g + w_read + 2 * FP32, "apply": g + FP32 + w_read + w_write}
+
+
+def adafactor_bytes_per_param(grad_dtype: torch.dtype, param_dtype: torch.dtype, master: str = "fp32",
+                              factored: bool = True) -> int:
+    """The sum of :func:`adafactor_pass_bytes` (fp32 master, bf16 matrices: 24; remainders 22; no master 16)."""
+    return sum(adafactor_pass_bytes(grad_dtype, param_dtype, master, factored).values())

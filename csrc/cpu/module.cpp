@@ -13,6 +13,7 @@
 #include "ampfused/build_id.h"
 #include "ampfused/step_args.h"
 #include "kernels.h"
+#include "adafactor.h"
 
 
 namespace py = pybind11;
@@ -278,6 +279,31 @@ void update_scale_op(uintptr_t scale, uintptr_t growth_tracker, uintptr_t found_
   finish_scale_update(addr<const float>(scale), found, addr<float>(inv_scale), addr<int64_t>(skipped));
 }
 
+// The Adafactor step (adafactor.h) over a table of kAfCols ints per parameter (ampfused/ops/native_adafactor.py).
+void adafactor_step(const std::vector<int64_t>& table, int64_t count, int param_dtype, int grad_dtype,
+                    uintptr_t master, uintptr_t factors, uintptr_t steps, int step_code, uintptr_t partials,
+                    int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats,
+                    double beta2_decay, double eps1, double eps2, double d, double weight_decay, double max_norm,
+                    bool maximize, int nthreads, int master_format, uintptr_t seed) {
+  if (count < 0 || int64_t(table.size()) != count * kAfCols) {
+    throw std::invalid_argument("the Adafactor table must hold " + std::to_string(kAfCols) + " ints per parameter");
+  }
+  const StepArgs a = step_args(0, count, param_dtype, grad_dtype, master, 0, 0, steps, step_code, partials,
+                               num_partials, inv_scale, lr, lr_code, out_stats, master_format, 0, seed);
+  py::gil_scoped_release nogil;
+  float coef;
+  if (!prologue(a, max_norm, &coef)) return;
+  AfHyper h{beta2_decay, eps1, eps2, d, weight_decay, read_scalar(a.lr, a.lr_code), float(eps1 * eps1), maximize};
+  AfBufs b{param_dtype, grad_dtype, master_format, a.master, addr<float>(factors),
+           a.seed ? uint64_t(*a.seed) : 0};
+  std::vector<double> t(size_t(count), 0.0);
+  for (int64_t k = 0; k < count; ++k) t[size_t(k)] = next_step(read_scalar(scalar_at(a.steps, a.step_code, k), a.step_code));
+  adafactor_apply(b, table.data(), count, t.data(), coef, h, nthreads);
+  for (int64_t k = 0; k < count; ++k) {
+    if (table[size_t(k * kAfCols + 2)] != kNoGrad) add_one(scalar_at(a.steps, a.step_code, k), a.step_code);
+  }
+}
+
 py::dict build_info() {
   py::dict d = build_identity();
 #if defined(_OPENMP)
@@ -336,5 +362,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"), py::arg("max_norm"), py::arg("maximize"),
         py::arg("num_threads"), py::arg("master_format") = 0, py::arg("state_dtype") = 0,
         py::arg("seed") = uintptr_t(0), py::arg("state_scales") = uintptr_t(0), py::arg("scale_blocks") = int64_t(0));
+  m.attr("AF_COLS") = kAfCols;
+  m.attr("AF_MAX_DIMS") = kAfMaxDims;
+  m.def("adafactor_step", &adafactor_step);
   m.def("update_scale", &update_scale_op, py::call_guard<py::gil_scoped_release>());
 }

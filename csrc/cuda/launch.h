@@ -98,5 +98,22 @@ std::string update_scale(int device, uintptr_t stream, float* scale, int32_t* gr
                          double growth_factor, double backoff_factor, int64_t growth_interval, float* inv_scale,
                          int64_t* skipped);
 
+// ---- Adafactor (adafactor.cu): one block per parameter, its table in device memory ------------------------
+// A table row (ampfused/ops/native_adafactor.py, as the CPU module's): param, grad, numel (kNoGrad without a
+// gradient), offset in master, offset in factors, ndim, kAfMaxDims sizes, kAfMaxDims strides (elements).
+constexpr int kAfMaxDims = 8;
+constexpr int kAfCols = 6 + 2 * kAfMaxDims;
+
+struct AfCudaHyper {
+  double beta2_decay, eps1, eps2, d, weight_decay, max_norm;
+  float eps1_sq;
+  bool maximize;
+  float* factors;  // fp32, factor_layout of the parameters' shapes
+};
+
+// args.table is unused (the Adafactor table is `table`); args.count its rows.
+std::string adafactor_step(int device, uintptr_t stream, const int64_t* table, const StepArgs& args,
+                           const AfCudaHyper& h);
+
 }  // namespace cuda
 }  // namespace ampfused

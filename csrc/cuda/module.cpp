@@ -142,6 +142,20 @@ void lion_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, 
   check(cuda::lion_step(device, stream, a, w, h, addr<int32_t>(counter), single_launch));
 }
 
+// Adafactor (adafactor.cu): `table` the device address of its rows (kAfCols int64 each).
+void adafactor_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
+                    uintptr_t factors, uintptr_t steps, int step_code, uintptr_t partials, int64_t P,
+                    uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double beta2_decay,
+                    double eps1, double eps2, double d, double weight_decay, double max_norm, bool maximize,
+                    int device, uintptr_t stream, int master_format, uintptr_t seed) {
+  const StepArgs a = step_args(0, count, param_dtype, grad_dtype, master, 0, 0, steps, step_code, partials, P,
+                               inv_scale, lr, lr_code, out_stats, master_format, 0, seed);
+  if (master_format == kMasterNone && seed == 0) throw std::invalid_argument("stochastic rounding needs a seed");
+  const cuda::AfCudaHyper h{beta2_decay, eps1, eps2, d, weight_decay, max_norm, float(eps1 * eps1), maximize,
+                            addr<float>(factors)};
+  check(cuda::adafactor_step(device, stream, addr<const int64_t>(table), a, h));
+}
+
 void update_scale_op(uintptr_t scale, uintptr_t growth_tracker, uintptr_t found_inf, double growth_factor,
                   double backoff_factor, int64_t growth_interval, uintptr_t inv_scale, uintptr_t skipped, int device,
                   uintptr_t stream) {
@@ -205,5 +219,7 @@ PYBIND11_MODULE(_C_cuda, m) {
         py::arg("num_columns"), py::arg("counter"), py::arg("single_launch"), py::arg("master_format") = 0,
         py::arg("state_dtype") = 0, py::arg("seed") = uintptr_t(0), py::arg("state_scales") = uintptr_t(0),
         py::arg("scale_blocks") = int64_t(0));
+  m.attr("AF_COLS") = cuda::kAfCols;
+  m.def("adafactor_step", &adafactor_step);
   m.def("update_scale", &update_scale_op);
 }

@@ -15,6 +15,7 @@ from oracle import assert_close_to_oracle
 
 FUSED: Dict[type, type] = {torch.optim.Adam: ampfused.FusedAdam, torch.optim.AdamW: ampfused.FusedAdamW,
                            torch.optim.SGD: ampfused.FusedSGD}
+FUSED[torch.optim.Adafactor] = ampfused.FusedAdafactor
 
 # What the fused optimizers refuse on purpose (docs/differences-from-torch.md), with the error each raises.
 # Any configuration of torch's test material not refused here must run and match torch.
@@ -25,7 +26,7 @@ DOCUMENTED_REFUSALS = {
 
 
 def optim_db_entries() -> List:
-    """torch's OptimizerInfo entries for Adam, AdamW and SGD (skips the module when torch's test material
+    """torch's OptimizerInfo entries for Adam, AdamW, SGD and Adafactor (skips the module when torch's test material
     cannot be imported)."""
     pytest.importorskip("expecttest", reason="torch.testing._internal.common_optimizers needs expecttest")
     from torch.testing._internal.common_optimizers import optim_db

@@ -1,0 +1,136 @@
+"""Adafactor's state in a segment: one flat fp32 ``factors`` buffer per segment (each matrix's row and column
+vectors, each other parameter's variance), shown in ``optimizer.state`` and state dicts as torch.optim.Adafactor
+shows it (``row_var`` ``[..., R, 1]``, ``col_var`` ``[..., 1, C]``, ``variance`` shaped like the parameter)."""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+from torch import Tensor
+
+from ..ops.reference_adafactor import factor_layout, factor_size, factor_views, factored
+from ._segment import Segment, local
+
+FACTORED_KEYS = ("row_var", "col_var")
+VECTOR_KEYS = ("variance",)
+
+
+def state_keys(shape) -> tuple:
+    """The state-dict keys of a parameter of this shape."""
+    return FACTORED_KEYS if factored(tuple(shape)) else VECTOR_KEYS
+
+
+class AdafactorSegment(Segment):
+    """A :class:`Segment` whose state is ``factors`` (laid out by ``factor_layout``), not moments shaped like the
+    parameters; masters, remainders and stochastic rounding as any segment's."""
+
+    def __init__(self, group_index, params, use_master, state_names, precision=None):
+        super().__init__(group_index, params, use_master, (), precision)
+        self.factor_offsets, total = factor_layout([layout[2] for layout in self.layouts])
+        self.states = {"factors": torch.zeros(total, dtype=torch.float32, device=self.device)}
+
+    def factor_slice(self, i: int, flat: Tensor = None) -> Tensor:
+        flat = self.states["factors"] if flat is None else flat
+        off = self.factor_offsets[i]
+        return flat[off:off + factor_size(self.layouts[i][2])]
+
+    def state_views(self, i: int) -> Dict[str, Tensor]:
+        if self.sharded:
+            raise NotImplementedError("Adafactor's factored state does not shard with the parameter (FSDP2)")
+        return factor_views(self.states["factors"], self.factor_offsets[i], self.layouts[i][2])
+
+    def carry_states(self, i: int, prev: Segment, j: int) -> None:
+        """Parameter ``prev[j]``'s factors into parameter ``i`` (same shape: the caller checks)."""
+        if isinstance(prev, AdafactorSegment):
+            self.factor_slice(i).copy_(prev.factor_slice(j))
+
+    def load_factors(self, i: int, entry: dict, flat: Tensor) -> None:
+        """Write a checked state-dict entry's factors (any float dtype, any device) into ``flat``."""
+        shape = self.layouts[i][2]
+        views = factor_views(flat, self.factor_offsets[i], shape)
+        for key, view in views.items():
+            view.copy_(local(entry[key]).detach().reshape(view.shape))
+
+
+def check_entry(key_shapes: dict, e: dict, where: str) -> None:
+    """A loaded entry's factors: floating-point dense tensors of torch.optim.Adafactor's shapes."""
+    for key, shape in key_shapes.items():
+        v = e.get(key)
+        if not isinstance(v, Tensor):
+            raise ValueError(f"loaded state of {where} lacks '{key}' (a tensor of shape {tuple(shape)})")
+        if not v.is_floating_point() or v.layout != torch.strided or v.is_meta:
+            raise ValueError(f"loaded state '{key}' of {where} must be a dense floating-point tensor, got {v.dtype} "
+                             f"({v.layout})")
+        if tuple(v.shape) != tuple(shape) and v.numel() != torch.Size(shape).numel():
+            raise ValueError(f"loaded state '{key}' of {where} must have shape {tuple(shape)}, got {tuple(v.shape)}")
+
+
+def _load_master(seg, i: int, e: dict, p: Tensor, master: Tensor) -> None:
+    """Parameter ``i``'s master (or remainder) from a loaded entry, else re-derived from the parameter."""
+    from ._precision import remainders_from
+    mine = seg.view(master, i)
+    if master.dtype == torch.int16:
+        if e.get("master_remainder") is not None:
+            mine.copy_(local(e["master_remainder"]).reshape(p.shape))
+        elif e.get("master_param") is not None:
+            mine.copy_(remainders_from(local(e["master_param"]).reshape(p.shape), p.detach()))
+        return
+    src = e.get("master_param")
+    mine.copy_(local(src).reshape(p.shape) if src is not None else p.detach())
+
+
+def import_state_dict(opt, state_dict: dict) -> None:
+    """``opt.load_state_dict(sd)`` for Adafactor, from ours or from torch.optim.Adafactor's: everything checked,
+    the new buffers built aside, then swapped in."""
+    from ._state import _saved_step, checked_groups
+    saved_state, sid_of, new_groups = checked_groups(opt, state_dict)
+    plans = []
+    for seg in opt._segments:
+        entries = []
+        for i, (param, p) in enumerate(zip(seg.params, seg.tensors())):
+            sid = sid_of[id(param)]
+            e = saved_state.get(sid)
+            if not e:
+                entries.append(None)
+                continue
+            where = f"parameter {sid}"
+            if not isinstance(e, dict):
+                raise ValueError(f"loaded state of {where} must be a dict, got {type(e).__name__}")
+            shapes = {k: v.shape for k, v in factor_views(torch.empty(factor_size(p.shape), device="meta"), 0,
+                                                          tuple(p.shape)).items()}
+            check_entry(shapes, e, where)
+            entries.append((e, _saved_step(opt, e, where)))
+        plans.append((seg, entries))
+    built = []
+    with torch.no_grad():
+        for seg, entries in plans:
+            factors = torch.zeros_like(seg.states["factors"])
+            master = torch.zeros_like(seg.master) if seg.master is not None else None
+            steps = [0.0] * len(seg.params)
+            for i, (p, entry) in enumerate(zip(seg.tensors(), entries)):
+                if entry is not None:
+                    seg.load_factors(i, entry[0], factors)
+                    steps[i] = entry[1]
+                if master is not None:
+                    _load_master(seg, i, entry[0] if entry is not None else {}, p, master)
+            built.append((seg, factors, master, torch.tensor(steps, dtype=torch.float32).to(seg.device),
+                          [entry is not None for entry in entries]))
+    for seg, factors, master, steps, has_state in built:
+        seg.states, seg.master, seg.steps, seg.has_state = {"factors": factors}, master, steps, has_state
+        seg.all_state = False
+        seg.lr_value = None
+        seg.forget()
+        seg.keep_remainders = True
+        for i, p in enumerate(seg.params):
+            if not has_state[i]:
+                opt.state.pop(p, None)
+    for g, ng in zip(opt.param_groups, new_groups):
+        g.update(ng)
+    saved_ids = {sid for s in state_dict["param_groups"] for sid in s["params"]}
+    for k in [k for k in opt.state if not isinstance(k, Tensor)]:
+        del opt.state[k]
+    for k, v in saved_state.items():
+        if k not in saved_ids:
+            opt.state[k] = v
+    opt._partials_cache = None
+    opt._bind_state()

@@ -1,0 +1,307 @@
+"""``adafactor_step_`` on every backend the CPU suite runs, against the specification (reference_adafactor.py).
+
+* The reference against torch.optim.Adafactor over several steps, within the oracle rule (tests/oracle.py): the
+  fp64 reference is the oracle, torch's fp32 loop the plain implementation whose error sets the bound.
+* Every backend against the reference within the oracle rule (each sums rows, columns and RMS in its own fixed
+  order), and bit for bit run to run; the elementwise math is the same IEEE operations on every backend.
+* Parameters of every shape torch takes: 0-d, 1-D (unfactored), 1 element, matrices of awkward shapes,
+  channels-last and transposed weights (rows and columns are logical dimensions), 3-D and 4-D (leading
+  dimensions a batch of matrices), empty ones (torch's loop divides by zero; the step leaves them alone).
+* A skipped step changes nothing; master remainders give the fp32-master run's masters bit for bit.
+"""
+import math
+
+import pytest
+import torch
+
+from ampfused import ops
+from ampfused.ops import reference
+from ampfused.ops.reference import memory_view, state_layout
+from ampfused.ops.reference_adafactor import factor_layout, factor_views
+from backends import cpu_backends
+from oracle import assert_bitwise, assert_close_to_oracle
+
+BACKENDS = [b for b in cpu_backends() if hasattr(ops.get_backend(b), "adafactor_step_")]
+F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
+
+# (shape, memory layout)
+PARAMS = [
+    ((7, 5), "contiguous"),
+    ((13,), "contiguous"),
+    ((), "contiguous"),
+    ((1,), "contiguous"),
+    ((1, 1), "contiguous"),
+    ((1, 257), "contiguous"),
+    ((33, 1), "contiguous"),
+    ((45, 23), "transposed"),
+    ((3, 4, 5), "contiguous"),
+    ((2, 3, 4, 5), "channels_last"),
+]
+HYPER = dict(beta2_decay=-0.8, eps=(1e-30, 1e-3), d=1.0, weight_decay=0.1)
+
+
+def _make(shape, layout, dtype, values=None):
+    v = torch.randn(shape) if values is None else values
+    if layout == "transposed":
+        return v.t().contiguous().t().to(dtype)
+    if layout == "channels_last":
+        return v.to(dtype).contiguous(memory_format=torch.channels_last)
+    return v.to(dtype).clone()
+
+
+class Run:
+    """One optimizer's tensors for ``adafactor_step_`` (fp32 master for low-precision params)."""
+
+    def __init__(self, init, layouts, dtype, master_dtype=None, state_dtype=F32, remainders=False, seed=None):
+        self.params = [_make(v.shape, lay, dtype, v) for v, lay in zip(init, layouts)]
+        _, total = state_layout([p.numel() for p in self.params])
+        self.master = None
+        if remainders:
+            self.master = torch.zeros(total, dtype=torch.int16)
+        elif master_dtype is not None:
+            self.master = torch.zeros(total, dtype=master_dtype)
+            offs, _ = state_layout([p.numel() for p in self.params])
+            for o, p in zip(offs, self.params):  # the master of a parameter is its value (as the optimizer sets it)
+                self.master[o:o + p.numel()] = memory_view(torch.empty_like(p, dtype=master_dtype).copy_(p))
+        self.factors = torch.zeros(factor_layout([p.shape for p in self.params])[1], dtype=state_dtype)
+        self.steps = torch.zeros(len(self.params))
+        self.stats = torch.zeros(2)
+        self.seed = seed
+
+    def step(self, grads, backend, partials=None, max_norm=math.inf, **hyper):
+        grads = [None if g is None else torch.empty_like(p).copy_(g) for p, g in zip(self.params, grads)]
+        inv = torch.ones(())
+        if partials is None:
+            partials = reference.norm_check([g for g in grads if g is not None], inv)
+        kw = dict(HYPER, **hyper)
+        lr = kw.pop("lr", 1e-2)
+        ops.adafactor_step_(self.params, grads, self.master, self.factors, self.steps, partials, inv,
+                            torch.tensor(lr, dtype=F32), self.stats, max_norm=max_norm, seed=self.seed,
+                            backend=backend, **kw)
+
+    def weights(self):
+        """The compute copies (masters, else the parameters) in fp64, logical order."""
+        if self.master is None or self.master.dtype == torch.int16:
+            return [p.double() for p in self.params]
+        offs, _ = state_layout([p.numel() for p in self.params])
+        return [self.master[o:o + p.numel()].double().as_strided(p.shape, p.stride())
+                for o, p in zip(offs, self.params)]
+
+
+def _grads(step, shapes, dtype=F32, none_at=None):
+    g = torch.Generator().manual_seed(100 + step)
+    out = [torch.randn(s, generator=g).to(dtype) * 0.1 for s in shapes]
+    if none_at is not None:
+        out[none_at] = None
+    return out
+
+
+def _runs():
+    init = [torch.randn(s) for s, _ in PARAMS]
+    layouts = [lay for _, lay in PARAMS]
+    return init, layouts
+
+
+def _assert_oracle(name, fast, ref32, ref64):
+    for i, (a, b, c) in enumerate(zip(fast, ref32, ref64)):
+        assert_close_to_oracle(f"{name}[{i}] {PARAMS[i][0]}", a, b, c)
+
+
+@pytest.mark.parametrize("wd,maximize,d,lr", [(0.1, False, 1.0, 1e-2), (0.0, True, 2.0, 0.5), (0.0, False, 1.0, 1e-3)])
+def test_reference_matches_torch_adafactor(wd, maximize, d, lr):
+    init, layouts = _runs()
+    eps = (1e-30, 1e-3)
+    ours, oracle = Run(init, layouts, F32), Run(init, layouts, F64, state_dtype=F64)
+    tp = [_make(v.shape, lay, F32, v).requires_grad_() for v, lay in zip(init, layouts)]
+    topt = torch.optim.Adafactor(tp, lr=lr, beta2_decay=-0.8, eps=eps, d=d, weight_decay=wd, maximize=maximize)
+    hyper = dict(eps=eps, d=d, weight_decay=wd, maximize=maximize, lr=lr)
+    for k in range(6):
+        grads = _grads(k, [s for s, _ in PARAMS], none_at=1 if k == 2 else None)
+        for p, g in zip(tp, grads):
+            p.grad = None if g is None else torch.empty_like(p).copy_(g)
+        topt.step()
+        ours.step(grads, "reference", **hyper)
+        oracle.step([None if g is None else g.double() for g in grads], "reference", **hyper)
+    _assert_oracle("params", ours.weights(), [p.detach() for p in tp], oracle.weights())
+    offs, _ = factor_layout([p.shape for p in ours.params])
+    for i, p in enumerate(tp):
+        for key, v in factor_views(ours.factors, offs[i], p.shape).items():
+            ref64 = factor_views(oracle.factors, offs[i], p.shape)[key]
+            assert_close_to_oracle(f"{key}[{i}]", v, topt.state[p][key], ref64)
+    assert ours.steps.tolist() == [6.0 if i != 1 else 5.0 for i in range(len(PARAMS))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("max_norm", [math.inf, 0.05])
+def test_backend_matches_reference(backend, max_norm):
+    init, layouts = _runs()
+    fast, ref32, ref64 = Run(init, layouts, F32), Run(init, layouts, F32), Run(init, layouts, F64, state_dtype=F64)
+    again = Run(init, layouts, F32)
+    for k in range(4):
+        grads = _grads(k, [s for s, _ in PARAMS], none_at=3 if k == 1 else None)
+        fast.step(grads, backend, max_norm=max_norm)
+        again.step(grads, backend, max_norm=max_norm)
+        ref32.step(grads, "reference", max_norm=max_norm)
+        ref64.step([None if g is None else g.double() for g in grads], "reference", max_norm=max_norm)
+    _assert_oracle("params", fast.weights(), ref32.weights(), ref64.weights())
+    assert_close_to_oracle("factors", fast.factors, ref32.factors, ref64.factors)
+    for a, b in zip(fast.params + [fast.factors, fast.steps], again.params + [again.factors, again.steps]):
+        assert_bitwise("run to run", a, b)
+    assert torch.equal(fast.steps, ref32.steps)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_skip_writes_nothing(backend):
+    init, layouts = _runs()
+    run = Run(init, layouts, BF16, master_dtype=F32)
+    run.step(_grads(0, [s for s, _ in PARAMS]), backend)
+    before = [t.clone() for t in run.params + [run.master, run.factors, run.steps]]
+    grads = _grads(1, [s for s, _ in PARAMS])
+    grads[4].view(-1)[0] = math.nan
+    run.step(grads, backend, partials=reference.norm_check(
+        [torch.empty_like(p).copy_(g) for p, g in zip(run.params, grads)], torch.ones(())))
+    for a, b in zip(before, run.params + [run.master, run.factors, run.steps]):
+        assert_bitwise("skipped", a, b)
+    assert run.stats[1].item() == 1.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_master_remainders_are_the_fp32_master_run(backend):
+    init, layouts = _runs()
+    full = Run(init, layouts, BF16, master_dtype=F32)
+    rem = Run(init, layouts, BF16, remainders=True)
+    for k in range(3):
+        grads = _grads(k, [s for s, _ in PARAMS], dtype=BF16)
+        full.step(grads, backend, max_norm=0.5)
+        rem.step(grads, backend, max_norm=0.5)
+    from ampfused.ops import state_precision as sp
+    offs, _ = state_layout([p.numel() for p in rem.params])
+    for o, p, m in zip(offs, rem.params, full.weights()):
+        joined = sp.join_master(memory_view(p), rem.master[o:o + p.numel()])
+        assert_bitwise("master", joined, memory_view(torch.empty_like(p, dtype=F32).copy_(m)))
+    assert_bitwise("factors", rem.factors, full.factors)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stochastic_rounding_stays_within_an_ulp(backend):
+    init, layouts = _runs()
+    full = Run(init, layouts, BF16, master_dtype=F32)
+    sr = Run(init, layouts, BF16, seed=torch.tensor(7, dtype=torch.int64))
+    grads = _grads(0, [s for s, _ in PARAMS], dtype=BF16)
+    full.step(grads, backend)
+    sr.step(grads, backend)
+    for p, m in zip(sr.params, full.weights()):
+        ulp = torch.finfo(BF16).eps * m.abs().clamp(min=2 ** -126) * 2
+        assert bool(((p.double() - m).abs() <= ulp).all())
+    assert torch.equal(sr.steps, full.steps)
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (5, 0), (0,)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_parameter_is_left_alone(backend, shape):
+    p, q = torch.zeros(shape), torch.randn(4, 3)
+    factors = torch.zeros(factor_layout([p.shape, q.shape])[1])
+    steps, stats = torch.zeros(2), torch.zeros(2)
+    grads = [torch.zeros(shape), torch.randn(4, 3)]
+    partials = reference.norm_check(grads, torch.ones(()))
+    ops.adafactor_step_([p, q], grads, None, factors, steps, partials, torch.ones(()), torch.tensor(1e-2), stats,
+                        backend=backend)
+    assert steps.tolist() == [1.0, 1.0]
+    assert bool(torch.isfinite(q).all())
+
+
+def test_input_errors_name_the_rule():
+    p = torch.randn(4, 3)
+    g = torch.randn(4, 3)
+    one, lr, stats, steps = torch.ones(()), torch.tensor(1e-2), torch.zeros(2), torch.zeros(1)
+    partials = reference.norm_check([g], one)
+    factors = torch.zeros(factor_layout([p.shape])[1])
+    with pytest.raises(ValueError, match="factors"):
+        ops.adafactor_step_([p], [g], None, torch.zeros(12), steps, partials, one, lr, stats)
+    for kw, msg in [(dict(beta2_decay=0.8), "beta2_decay should be <= 0"), (dict(d=0.5), "Clipping threshold d"),
+                    (dict(eps=(-1.0, 1e-3)), "epsilon1 should be >= 0"), (dict(eps=(None, -1.0)), "epsilon2")]:
+        with pytest.raises(ValueError, match=msg):
+            ops.adafactor_step_([p], [g], None, factors, steps, partials, one, lr, stats, **kw)
+    assert steps.item() == 0 and factors.abs().sum() == 0
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the cpu backend is not built")
+def test_cpu_bits_do_not_depend_on_the_thread_count():
+    init, layouts = _runs()
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for nt in (1, 3):
+            torch.set_num_threads(nt)
+            run = Run(init, layouts, BF16, master_dtype=F32)
+            for k in range(3):
+                run.step(_grads(k, [s for s, _ in PARAMS], dtype=BF16), "cpu", max_norm=0.3)
+            runs.append(run)
+    finally:
+        torch.set_num_threads(threads)
+    a, b = runs
+    for x, y in zip(a.params + [a.master, a.factors, a.steps], b.params + [b.master, b.factors, b.steps]):
+        assert_bitwise("1 and 3 threads", x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_backends_match_the_reference(backend):
+    """The CUDA kernels and the compiled Triton kernels on a GPU: within the oracle rule of the reference (run on
+    the same device, fp32 and fp64), bit for bit run to run; remainders give the fp32-master run's masters bit for
+    bit; stochastic rounding bit for bit run to run."""
+    reasons = ops.registry.reasons_for(backend, torch.device("cuda"))
+    if reasons:
+        pytest.skip(f"the {backend} backend cannot run on this GPU: " + "; ".join(reasons))
+    init, layouts = _runs()
+
+    def on_gpu(run):
+        for name in ("master", "factors", "steps", "stats", "seed"):
+            t = getattr(run, name)
+            if t is not None:
+                setattr(run, name, t.cuda())
+        run.params = [p.cuda() for p in run.params]
+        return run
+
+    seed = dict(seed=torch.tensor(5, dtype=torch.int64))
+    runs = {"fast": (Run(init, layouts, BF16, master_dtype=F32), backend),
+            "again": (Run(init, layouts, BF16, master_dtype=F32), backend),
+            "rem": (Run(init, layouts, BF16, remainders=True), backend),
+            "sr": (Run(init, layouts, BF16, **seed), backend), "sr2": (Run(init, layouts, BF16, **seed), backend),
+            "ref32": (Run(init, layouts, BF16, master_dtype=F32), "reference"),
+            "ref64": (Run(init, layouts, F64, state_dtype=F64), "reference")}
+    runs = {k: (on_gpu(r), b) for k, (r, b) in runs.items()}
+    one = torch.ones((), device="cuda")
+    for k in range(3):
+        grads = [g.cuda() for g in _grads(k, [s for s, _ in PARAMS], dtype=BF16)]
+        for name, (run, b) in runs.items():
+            g = [torch.empty_like(p).copy_(x) for p, x in zip(run.params, grads)]
+            partials = reference.norm_check([x.float() for x in grads], one)  # one clip coefficient for all
+            ops.adafactor_step_(run.params, g, run.master, run.factors, run.steps, partials, one,
+                                torch.tensor(1e-2, device="cuda"), run.stats, max_norm=0.5, seed=run.seed,
+                                backend=b, **HYPER)
+    r = {k: v[0] for k, v in runs.items()}
+    for a, b in zip(r["fast"].params + [r["fast"].factors], r["again"].params + [r["again"].factors]):
+        assert_bitwise("run to run", a, b)
+    for a, b in zip(r["sr"].params, r["sr2"].params):
+        assert_bitwise("stochastic rounding run to run", a, b)
+    _assert_oracle("params", r["fast"].weights(), r["ref32"].weights(), r["ref64"].weights())
+    assert_close_to_oracle("factors", r["fast"].factors, r["ref32"].factors, r["ref64"].factors)
+    from ampfused.ops import state_precision as sp
+    offs, _ = state_layout([p.numel() for p in r["rem"].params])
+    for o, p, m in zip(offs, r["rem"].params, r["fast"].weights()):
+        joined = sp.join_master(memory_view(p), r["rem"].master[o:o + p.numel()])
+        assert_bitwise("remainders", joined, memory_view(torch.empty_like(p, dtype=F32).copy_(m)))
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_native_modules_read_the_table_python_writes(kind):
+    from ampfused import _native
+    from ampfused.ops import native_adafactor
+    if _native.unavailable_reason(kind):
+        pytest.skip(f"ampfused's {kind} module is not built: {_native.unavailable_reason(kind)}")
+    assert _native.module(kind).AF_COLS == native_adafactor.AF_COLS
+    p = torch.zeros(2, 3, 4).permute(2, 0, 1)
+    row = native_adafactor.table([p], [None])
+    assert len(row) == native_adafactor.AF_COLS and row[2] == _native.NO_GRAD and row[5] == 3
+    assert row[6:9] == [4, 2, 3] and row[14:17] == list(p.stride())

@@ -1,0 +1,283 @@
+"""K2 for Adafactor (``ampfused.ops.reference_adafactor.adafactor_step_``): one launch, one program per parameter.
+
+A program owns its parameter: it reduces the partials (the skip: nothing is written when found_inf), then walks
+the parameter in 2-D tiles of logical rows and columns (the leading dimensions a batch of matrices; any memory
+layout, through the strides in the table):
+
+1. row sums of the clipped gradient's squares and of the weight's (rows outer), the new row factors;
+   column sums (columns outer), the new column factors;
+2. the mean of each matrix's new row factors, and the update's sum of squares;
+3. the step size (fp64 from the fp32 sums, rounded once) and the weights, in the step's master format;
+and advances its own step count. Unfactored parameters take one pass for the variance and both sums, one for
+the weights. Sums are fp64 over fp32 tile sums, in a fixed order, and the launch forbids fma: the same bits
+run to run. With the scaler the step is K1, this launch and the scale update: three launches.
+
+Parallelism is one program per parameter: enough for models of many tensors; a single large matrix runs on one
+program (docs/adafactor.md gives the split across programs that a GPU wants for those).
+
+Table (``ampfused/ops/native_adafactor.py``): one row of ``AF_COLS`` int64 per parameter: param and grad
+addresses, numel (-1 without a gradient), offset in ``master``, offset in ``factors``, ndim, 8 sizes, 8 strides.
+"""
+import math
+import struct
+
+import triton
+import triton.language as tl
+
+from ._common import LAUNCH_OPTIONS, TL_DTYPES, _prologue, _round_to, _to_f32, device_guard, f32, nonempty
+from ._compact import (MASTER_NONE, MASTER_REMAINDER, _join_master, _random_bits, _round_stochastic, _split_master,
+                       _stream_key)
+
+AF_COLS = tl.constexpr(22)
+MAX_DIMS = tl.constexpr(8)
+BR = 16
+BC = 64
+BLOCK = 1024
+PBLOCK = 512
+NUM_WARPS = 4
+
+
+@triton.jit
+def _lerp(v, target, w):
+    """``torch.lerp``: its two forms by the weight's size, each operation rounded as written."""
+    return tl.where(tl.abs(w) < 0.5, v + w * (target - v), target - (target - v) * (1.0 - w))
+
+
+@triton.jit
+def _clamp_min(x, lo):
+    """``torch.clamp(min=lo)``: a NaN stays NaN."""
+    return tl.where(x < lo, lo, x)
+
+
+@triton.jit
+def _max64(x, floor):
+    """Python's ``max(floor, x)`` in fp64 (a NaN gives ``floor``)."""
+    return tl.where(x > floor, x, floor)
+
+
+@triton.jit
+def _weight(param_ptr, w_ptr, off, mask, MASTER_FORMAT: tl.constexpr, HAS_MASTER: tl.constexpr):
+    if MASTER_FORMAT == MASTER_REMAINDER:
+        return _join_master(tl.load(param_ptr + off, mask=mask, other=0.0), tl.load(w_ptr + off, mask=mask, other=0))
+    elif HAS_MASTER:
+        return tl.load(w_ptr + off, mask=mask, other=0.0)
+    else:
+        return _to_f32(tl.load(param_ptr + off, mask=mask, other=0.0))
+
+
+@triton.jit
+def _store_w(param_ptr, w_ptr, off, mask, w, key, index, PARAM_DTYPE: tl.constexpr, MASTER_FORMAT: tl.constexpr,
+             HAS_MASTER: tl.constexpr):
+    if MASTER_FORMAT == MASTER_REMAINDER:
+        weight, rem = _split_master(w)
+        tl.store(w_ptr + off, rem, mask=mask)
+        tl.store(param_ptr + off, weight, mask=mask)
+    elif MASTER_FORMAT == MASTER_NONE:
+        tl.store(param_ptr + off, _round_stochastic(w, _random_bits(key, index)), mask=mask)
+    elif HAS_MASTER:
+        tl.store(w_ptr + off, w, mask=mask)
+        tl.store(param_ptr + off, _round_to(w, PARAM_DTYPE), mask=mask)
+    else:
+        tl.store(param_ptr + off, w, mask=mask)
+
+
+@triton.jit
+def _grad(grad_ptr, off, mask, coef, MAXIMIZE: tl.constexpr):
+    g = _to_f32(tl.load(grad_ptr + off, mask=mask, other=0.0)) * coef
+    if MAXIMIZE:
+        g = -g
+    return g
+
+
+@triton.jit
+def _base(entry, b, nlead):
+    """Memory offset of matrix ``b`` (row-major over the leading dimensions)."""
+    off = tl.full((), 0, tl.int64)
+    rest = b
+    for kk in range(0, nlead):
+        k = nlead - 1 - kk
+        size = tl.load(entry + 6 + k)
+        off += (rest % size) * tl.load(entry + 6 + MAX_DIMS + k)
+        rest = rest // size
+    return off
+
+
+@triton.jit
+def _rmean(rows_ptr, R, eps1, BR: tl.constexpr):
+    """``max(sum(rows) / R, eps1)`` of one matrix's (new) row factors, summed in a fixed order."""
+    acc = tl.zeros((), tl.float64)
+    for r0 in range(0, R, BR):
+        rr = r0 + tl.arange(0, BR)
+        acc += tl.sum(tl.load(rows_ptr + rr, mask=rr < R, other=0.0), axis=0).to(tl.float64)
+    return _clamp_min(tl.div_rn(acc.to(tl.float32), R.to(tl.float32)), eps1)
+
+
+@triton.jit
+def _f64(bits):
+    """An fp64 hyperparameter passed as its bits (a float argument would be rounded to fp32)."""
+    return bits.to(tl.int64).to(tl.float64, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["P", "beta2_decay", "eps2", "d", "weight_decay"])
+def _adafactor_kernel(table_ptr, master_ptr, factors_ptr, steps_ptr, partials_ptr, inv_scale_ptr, lr_ptr,
+                      out_stats_ptr, seed_ptr, P, p_stride_row, p_stride_col, beta2_decay, eps1, eps1_sq, eps2, d,
+                      weight_decay, max_norm, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+                      HAS_MASTER: tl.constexpr, MAXIMIZE: tl.constexpr, CLIP: tl.constexpr,
+                      MASTER_FORMAT: tl.constexpr, USE_SEED: tl.constexpr, DECAY: tl.constexpr, BR: tl.constexpr,
+                      BC: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr):
+    norm, found_inf, coef = _prologue(partials_ptr, p_stride_row, p_stride_col, P, inv_scale_ptr, max_norm,
+                                      out_stats_ptr, CLIP, PBLOCK)
+    entry = table_ptr + tl.program_id(0).to(tl.int64) * AF_COLS
+    n = tl.load(entry + 2)
+    if (found_inf == 0.0) & (n >= 0):
+        param_ptr = tl.load(entry).to(tl.pointer_type(PARAM_DTYPE))
+        grad_ptr = tl.load(entry + 1).to(tl.pointer_type(GRAD_DTYPE))
+        w_off = tl.load(entry + 3)
+        w_ptr = master_ptr + w_off  # (int16 remainders, or the fp32 master)
+        f_ptr = factors_ptr + tl.load(entry + 4)
+        nd = tl.load(entry + 5)
+        step = tl.load(steps_ptr + tl.program_id(0))
+        t = step.to(tl.float32) + 1.0
+        t64 = t.to(tl.float64)
+        lr64 = tl.load(lr_ptr).to(tl.float64)
+        # t ** beta2_decay as exp(beta2_decay * log(t)) in fp64 (within an fp64 ulp or two of pow, so its fp32
+        # rounding is pow's but at ties; the interpreter has no libdevice pow)
+        w2 = tl.exp(_f64(beta2_decay) * tl.log(t64)).to(tl.float32)
+        rho = tl.minimum(lr64, 1.0 / tl.sqrt(t64))  # (fp64: correctly rounded)
+        decay = (1.0 - lr64 * _f64(weight_decay)).to(tl.float32)
+        key = tl.full((), 0, tl.uint32)
+        if USE_SEED:
+            key = _stream_key(tl.load(seed_ptr), t, 0)
+        w_sumsq = tl.zeros((), tl.float64)
+        u_sumsq = tl.zeros((), tl.float64)
+        if nd > 1:
+            R = tl.load(entry + 6 + nd - 2)
+            C = tl.load(entry + 6 + nd - 1)
+            sr = tl.load(entry + 6 + MAX_DIMS + nd - 2)
+            sc = tl.load(entry + 6 + MAX_DIMS + nd - 1)
+            nlead = nd - 2
+            B = tl.full((), 1, tl.int64)
+            for kk in range(0, nlead):
+                B = B * tl.load(entry + 6 + kk)
+            rows_ptr = f_ptr
+            cols_ptr = f_ptr + B * R
+            lr_ = tl.arange(0, BR)
+            lc_ = tl.arange(0, BC)
+            # 1. rows (rows outer): row factors and the weight's sum; columns (columns outer): column factors
+            for b in range(0, B):
+                base = _base(entry, b, nlead)
+                for r0 in range(0, R, BR):
+                    rr = r0 + lr_
+                    gs = tl.zeros([BR], tl.float64)
+                    for c0 in range(0, C, BC):
+                        cc = c0 + lc_
+                        mask = (rr < R)[:, None] & (cc < C)[None, :]
+                        off = base + rr.to(tl.int64)[:, None] * sr + cc.to(tl.int64)[None, :] * sc
+                        g = _grad(grad_ptr, off, mask, coef, MAXIMIZE)
+                        w = _weight(param_ptr, w_ptr, off, mask, MASTER_FORMAT, HAS_MASTER)
+                        gs += tl.sum(g * g, axis=1).to(tl.float64)
+                        w_sumsq += tl.sum(tl.sum(w * w, axis=1), axis=0).to(tl.float64)
+                    rmask = rr < R
+                    old = tl.load(rows_ptr + b * R + rr, mask=rmask, other=0.0)
+                    tl.store(rows_ptr + b * R + rr, _lerp(old, tl.div_rn(gs.to(tl.float32), C.to(tl.float32)), w2),
+                             mask=rmask)
+                for c0 in range(0, C, BC):
+                    cc = c0 + lc_
+                    cs = tl.zeros([BC], tl.float64)
+                    for r0 in range(0, R, BR):
+                        rr = r0 + lr_
+                        mask = (rr < R)[:, None] & (cc < C)[None, :]
+                        off = base + rr.to(tl.int64)[:, None] * sr + cc.to(tl.int64)[None, :] * sc
+                        g = _grad(grad_ptr, off, mask, coef, MAXIMIZE)
+                        cs += tl.sum(g * g, axis=0).to(tl.float64)
+                    cmask = cc < C
+                    old = tl.load(cols_ptr + b * C + cc, mask=cmask, other=0.0)
+                    tl.store(cols_ptr + b * C + cc, _lerp(old, tl.div_rn(cs.to(tl.float32), R.to(tl.float32)), w2),
+                             mask=cmask)
+            # 2. the update's sum of squares
+            for b in range(0, B):
+                base = _base(entry, b, nlead)
+                rm = _rmean(rows_ptr + b * R, R, eps1, BR)
+                for r0 in range(0, R, BR):
+                    rr = r0 + lr_
+                    row = tl.load(rows_ptr + b * R + rr, mask=rr < R, other=1.0)
+                    for c0 in range(0, C, BC):
+                        cc = c0 + lc_
+                        mask = (rr < R)[:, None] & (cc < C)[None, :]
+                        off = base + rr.to(tl.int64)[:, None] * sr + cc.to(tl.int64)[None, :] * sc
+                        col = tl.load(cols_ptr + b * C + cc, mask=cc < C, other=1.0)
+                        v = _clamp_min(tl.div_rn(row[:, None] * col[None, :], rm), eps1_sq)
+                        u = tl.div_rn(_grad(grad_ptr, off, mask, coef, MAXIMIZE), tl.sqrt_rn(v))
+                        u = tl.where(mask, u, 0.0)
+                        u_sumsq += tl.sum(tl.sum(u * u, axis=1), axis=0).to(tl.float64)
+            root_n = tl.sqrt(n.to(tl.float64))
+            alpha = _max64(tl.sqrt_rn(w_sumsq.to(tl.float32)).to(tl.float64) / root_n, _f64(eps2)) * rho
+            stepsize = (alpha / _max64(tl.sqrt_rn(u_sumsq.to(tl.float32)).to(tl.float64) / (root_n * _f64(d)),
+                                       1.0)).to(tl.float32)
+            # 3. the weights
+            for b in range(0, B):
+                base = _base(entry, b, nlead)
+                rm = _rmean(rows_ptr + b * R, R, eps1, BR)
+                for r0 in range(0, R, BR):
+                    rr = r0 + lr_
+                    row = tl.load(rows_ptr + b * R + rr, mask=rr < R, other=1.0)
+                    for c0 in range(0, C, BC):
+                        cc = c0 + lc_
+                        mask = (rr < R)[:, None] & (cc < C)[None, :]
+                        off = base + rr.to(tl.int64)[:, None] * sr + cc.to(tl.int64)[None, :] * sc
+                        col = tl.load(cols_ptr + b * C + cc, mask=cc < C, other=1.0)
+                        v = _clamp_min(tl.div_rn(row[:, None] * col[None, :], rm), eps1_sq)
+                        u = tl.div_rn(_grad(grad_ptr, off, mask, coef, MAXIMIZE), tl.sqrt_rn(v))
+                        w = _weight(param_ptr, w_ptr, off, mask, MASTER_FORMAT, HAS_MASTER)
+                        if DECAY:
+                            w = w * decay
+                        _store_w(param_ptr, w_ptr, off, mask, w - stepsize * u, key, w_off + off, PARAM_DTYPE,
+                                 MASTER_FORMAT, HAS_MASTER)
+        else:
+            lanes = tl.arange(0, BLOCK)
+            for j0 in range(0, n, BLOCK):
+                off = (j0 + lanes).to(tl.int64)
+                mask = off < n
+                g = _grad(grad_ptr, off, mask, coef, MAXIMIZE)
+                w = _weight(param_ptr, w_ptr, off, mask, MASTER_FORMAT, HAS_MASTER)
+                var = _lerp(tl.load(f_ptr + off, mask=mask, other=0.0), g * g, w2)
+                tl.store(f_ptr + off, var, mask=mask)
+                u = tl.where(mask, tl.div_rn(g, tl.sqrt_rn(_clamp_min(var, eps1_sq))), 0.0)
+                w_sumsq += tl.sum(w * w, axis=0).to(tl.float64)
+                u_sumsq += tl.sum(u * u, axis=0).to(tl.float64)
+            root_n = tl.sqrt(n.to(tl.float64))
+            alpha = _max64(tl.sqrt_rn(w_sumsq.to(tl.float32)).to(tl.float64) / root_n, _f64(eps2)) * rho
+            stepsize = (alpha / _max64(tl.sqrt_rn(u_sumsq.to(tl.float32)).to(tl.float64) / (root_n * _f64(d)),
+                                       1.0)).to(tl.float32)
+            for j0 in range(0, n, BLOCK):
+                off = (j0 + lanes).to(tl.int64)
+                mask = off < n
+                u = tl.div_rn(_grad(grad_ptr, off, mask, coef, MAXIMIZE),
+                              tl.sqrt_rn(_clamp_min(tl.load(f_ptr + off, mask=mask, other=1.0), eps1_sq)))
+                w = _weight(param_ptr, w_ptr, off, mask, MASTER_FORMAT, HAS_MASTER)
+                if DECAY:
+                    w = w * decay
+                _store_w(param_ptr, w_ptr, off, mask, w - stepsize * u, key, w_off + off, PARAM_DTYPE, MASTER_FORMAT,
+                         HAS_MASTER)
+        tl.store(steps_ptr + tl.program_id(0), step + 1.0)
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def adafactor_step_(table, count, param_dtype, grad_dtype, fmt, master, factors, steps, partials, inv_scale, lr,
+                    out_stats, beta2_decay, eps1, eps2, d, weight_decay, max_norm, maximize, seed) -> None:
+    """One launch over ``count`` parameters (``table``: their rows, int64 in the kernel's memory); tensors and math
+    as :func:`ampfused.ops.reference_adafactor.adafactor_step_`; ``fmt`` the step's ``_compact.LaunchFormat``."""
+    if count == 0:
+        return
+    with device_guard(out_stats):
+        _adafactor_kernel[(count,)](
+            table, nonempty(master, factors), factors, steps, partials, inv_scale, lr, out_stats,
+            nonempty(seed, table), partials.shape[1], partials.stride(0), partials.stride(1),
+            _bits(beta2_decay), f32(eps1), f32(eps1 * eps1), _bits(eps2), _bits(d), _bits(weight_decay), f32(max_norm),
+            PARAM_DTYPE=TL_DTYPES[param_dtype], GRAD_DTYPE=TL_DTYPES[grad_dtype], HAS_MASTER=fmt.has_fp32_master,
+            MAXIMIZE=bool(maximize), CLIP=not math.isinf(max_norm), MASTER_FORMAT=fmt.master,
+            USE_SEED=seed is not None, DECAY=weight_decay != 0, BR=BR, BC=BC, BLOCK=BLOCK, PBLOCK=PBLOCK,
+            num_warps=NUM_WARPS, **LAUNCH_OPTIONS)
