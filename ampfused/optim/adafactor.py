@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from .. import ops
