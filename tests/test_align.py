@@ -128,13 +128,13 @@ def test_modes_judge():
     assert lines[2].startswith("PASS  ampfused+sr+bf16m") and "optimi-adamw (4 B) 1.000%" in lines[2]
 
 
-@pytest.mark.parametrize("optimizer", ["lion"])
+@pytest.mark.parametrize("optimizer", ["lion", "adafactor"])
 def test_modes_of_other_optimizers_run_against_their_own_fp32_run(tmp_path, capsys, optimizer):
-    """``--modes --optimizer lion``: each of the optimizer's modes against its own fp32-master run."""
+    """``--modes --optimizer lion|adafactor``: each of the optimizer's modes against its own fp32-master run."""
     from bench.align import modes
-    _, _, reference, runs = modes.OPTIMIZERS[optimizer]
+    _, _, reference, runs, _ = modes.OPTIMIZERS[optimizer]
     rc = align.main(TINY[:-2] + ["--steps", "16", "--device", "cpu", "--modes", "--optimizer", optimizer,
-                                 "--out", str(tmp_path), "--name", "m"])
+                                 "--no-peers", "--out", str(tmp_path), "--name", "m"])
     printed = capsys.readouterr().out
     assert rc == 0
     for name, (_, nbytes) in runs.items():

@@ -31,6 +31,7 @@ EXAMPLES = {
     "README.md": [("scaler = ampfused.GradScaler(", "here"), ("opt = ampfused.FusedAdamW(", "here"),
                   ("from ampfused import ops", "here"), ("# my_recipes.py", "here")],
     "docs/api.md": [("FusedAdamW(params, lr=1e-3,", "tests/test_readme.py (the signatures)"),
+                    ("FusedLion(params, lr=1e-4,", "tests/test_readme.py (the signatures)"),
                     ("FusedAdafactor(params, lr=1e-2,", "tests/test_readme.py (the signatures)"),
                     ("from ampfused.policies import HysteresisPolicy", "here"),
                     ('@ampfused.register_scale_policy("overflow_rate")', "here"),

@@ -140,6 +140,7 @@ def test_warm_table_steps_reuse_the_triton_plans(counting):
     params = [torch.nn.Parameter(torch.randn(40, dtype=torch.bfloat16)) for _ in range(3)]
     opt = ampfused.FusedAdamW(params, lr=1e-3, max_grad_norm=1.0, backend="triton")
     b = registry.get_backend("triton")
+    b.step_tables.clear(), b.grad_tables.clear()  # (only this test's call sites below)
     for p in params:
         p.grad = torch.randn_like(p)
     for _ in range(2):  # the Python path's step, then the first table step

@@ -28,7 +28,8 @@ the same way, each mode against that optimizer's own fp32-master run (``ampfused
 to the same bar: Lion (one moment, 4 B in fp32) with remainders, bf16 or 8-bit moments and no master, at lr / 3
 and 3x the weight decay (Lion's update has a unit norm per element); Adafactor (factored second moment: a row and
 a column vector per matrix, no per-element state) with remainders or no master, its relative step size ``lr``
-1e-2 on the run's schedule. Results go to ``<out>/align-modes-<optimizer>-<device>.{csv,txt}``.
+1e-2 on the run's schedule. Lion's peers: optimi's ``Lion`` on the bf16 weights (2 B), with its Kahan
+compensation (4 B). Results go to ``<out>/align-modes-<optimizer>-<device>.{csv,txt}``.
 """
 from __future__ import annotations
 
@@ -79,15 +80,21 @@ ADAFACTOR_MODES = {  # run -> (FusedAdafactor options, state bytes per bf16 para
     "ampfused-adafactor+sr": (dict(bf16_stochastic_round=True), 0),
 }
 ADAFACTOR_LR = 1e-2  # torch.optim.Adafactor's default relative step size, at the schedule's peak
+LION_PEERS = {  # run -> (module, class, options, state bytes per bf16 parameter): optimi's Lion on bf16 weights
+    "optimi-lion": ("optimi", "Lion", dict(kahan_sum=False), 2),
+    "optimi-lion-kahan": ("optimi", "Lion", dict(kahan_sum=True), 4),
+}
 
 
 def _adamw(groups, cfg: M.Config, options: dict):
     return ampfused.FusedAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, max_grad_norm=cfg.max_norm, **options)
 
 
-def _lion(groups, cfg: M.Config, options: dict):
+def _lion(groups, cfg: M.Config, options: dict, cls=None):
     for g in groups:
         g["weight_decay"] = 3 * g["weight_decay"]
+    if cls is not None:  # a peer's Lion (its clip is torch's, before its step)
+        return cls(groups, lr=cfg.lr / 3, betas=(0.9, 0.99), **options)
     return ampfused.FusedLion(groups, lr=cfg.lr / 3, betas=(0.9, 0.99), max_grad_norm=cfg.max_norm, **options)
 
 
@@ -95,11 +102,12 @@ def _adafactor(groups, cfg: M.Config, options: dict):
     return ampfused.FusedAdafactor(groups, lr=ADAFACTOR_LR, max_grad_norm=cfg.max_norm, **options)
 
 
-# --optimizer -> (the optimizer built from a run's config, its lr relative to the schedule's, reference run, modes)
+# --optimizer -> (the optimizer built from a run's config, its lr relative to the schedule's, reference run, modes,
+# peers)
 OPTIMIZERS = {
-    "adamw": (_adamw, 1.0, "ampfused", MODES),
-    "lion": (_lion, 1 / 3, "ampfused-lion", LION_MODES),
-    "adafactor": (_adafactor, None, "ampfused-adafactor", ADAFACTOR_MODES),
+    "adamw": (_adamw, 1.0, "ampfused", MODES, None),  # (PEERS, below)
+    "lion": (_lion, 1 / 3, "ampfused-lion", LION_MODES, LION_PEERS),
+    "adafactor": (_adafactor, None, "ampfused-adafactor", ADAFACTOR_MODES, {}),
 }
 REFERENCE_BYTES = {"ampfused": 12, "ampfused-lion": 8, "ampfused-adafactor": 4}
 
@@ -110,7 +118,7 @@ class _Mode(T.Optimizing):
     def __init__(self, model, cfg: M.Config, options: dict, optimizer: str = "adamw"):
         self.model, self.scaler = model, None
         self.params = list(model.parameters())
-        build, self.lr_factor, _, _ = OPTIMIZERS[optimizer]
+        build, self.lr_factor, _, _, _ = OPTIMIZERS[optimizer]
         # (Adafactor: its relative step size follows the schedule's shape from its own peak)
         self.lr_factor = self.lr_factor or ADAFACTOR_LR / cfg.lr
         self.opt = build(M.param_groups(list(model.named_parameters()), cfg.weight_decay), cfg, options)
@@ -130,11 +138,14 @@ class _Mode(T.Optimizing):
 class _Peer(_Mode):
     """A peer's optimizer on the bf16 parameters, after torch's ``clip_grad_norm_``."""
 
-    def __init__(self, model, cfg: M.Config, cls, options: dict):
+    def __init__(self, model, cfg: M.Config, cls, options: dict, optimizer: str = "adamw"):
         self.model, self.scaler, self.cfg, self.lr_factor = model, None, cfg, 1.0
         self.params = list(model.parameters())
-        self.opt = cls(M.param_groups(list(model.named_parameters()), cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
-                       eps=cfg.eps, **options)
+        groups = M.param_groups(list(model.named_parameters()), cfg.weight_decay)
+        if optimizer == "lion":
+            self.opt, self.lr_factor = _lion(groups, cfg, options, cls), OPTIMIZERS["lion"][1]
+        else:
+            self.opt = cls(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **options)
 
     def set_lr(self, lr: float) -> None:
         for g in self.opt.param_groups:
@@ -163,13 +174,11 @@ def _peer_class(module: str, name: str):
 def register(peers: bool = True, device_type: str = "cpu", optimizer: str = "adamw") -> Dict[str, str]:
     """Make the runs known to ``bench.align.runs``; returns the peers left out, with the reason."""
     absent = {}
-    _, _, reference, modes = OPTIMIZERS[optimizer]
+    _, _, reference, modes, peer_runs = OPTIMIZERS[optimizer]
     runs = dict(modes, **({} if reference in T.RUNS else {reference: ({}, REFERENCE_BYTES[reference])}))
     for name, (options, _) in runs.items():
         T.EXTRA[name] = (torch.bfloat16, lambda model, cfg, device, o=options: _Mode(model, cfg, o, optimizer))
-    for name, (module, cls_name, options, _) in PEERS.items():
-        if optimizer != "adamw":
-            continue  # (the peers run AdamW)
+    for name, (module, cls_name, options, _) in (PEERS if peer_runs is None else peer_runs).items():
         if not peers:
             absent[name] = "not asked for (--no-peers)"
             continue
@@ -181,7 +190,8 @@ def register(peers: bool = True, device_type: str = "cpu", optimizer: str = "ada
         if cls is None:
             absent[name] = why
             continue
-        T.EXTRA[name] = (torch.bfloat16, lambda model, cfg, device, c=cls, o=options: _Peer(model, cfg, c, o))
+        T.EXTRA[name] = (torch.bfloat16,
+                         lambda model, cfg, device, c=cls, o=options: _Peer(model, cfg, c, o, optimizer))
     return absent
 
 
@@ -189,7 +199,10 @@ def state_bytes(name: str) -> float:
     for modes in (MODES, LION_MODES, ADAFACTOR_MODES):
         if name in modes:
             return modes[name][1]
-    return PEERS[name][3] if name in PEERS else REFERENCE_BYTES[name]
+    for peers in (PEERS, LION_PEERS):
+        if name in peers:
+            return peers[name][3]
+    return REFERENCE_BYTES[name]
 
 
 def window_figures(run: T.Run, ref: T.Run, cfg: M.Config) -> dict:
@@ -202,7 +215,7 @@ def window_figures(run: T.Run, ref: T.Run, cfg: M.Config) -> dict:
 def judge(figs: Dict[str, dict], modes: dict = MODES) -> List[str]:
     """One line per mode: PASS/FAIL against 0.5% or the nearest peer of the same or a smaller state."""
     lines = []
-    peers = {n: f for n, f in figs.items() if n in PEERS}
+    peers = {n: f for n, f in figs.items() if n in PEERS or n in LION_PEERS}
     for name in modes:
         if name not in figs:
             continue
@@ -221,11 +234,11 @@ def judge(figs: Dict[str, dict], modes: dict = MODES) -> List[str]:
 def execute(cfg: M.Config, device: torch.device, peers: bool = True, log=print, optimizer: str = "adamw") -> tuple:
     """Train the fp32-master run, every mode and every installed peer; returns (runs, figures, text lines)."""
     absent = register(peers, device.type, optimizer)
-    _, _, reference, modes = OPTIMIZERS[optimizer]
+    _, _, reference, modes, peer_runs = OPTIMIZERS[optimizer]
     data, corpus = M.corpus()
     offsets = M.batch_offsets(len(data), cfg)
     state = M.initial_state(cfg)
-    names = [reference] + list(modes) + [p for p in PEERS if p not in absent and optimizer == "adamw"]
+    names = [reference] + list(modes) + [p for p in (PEERS if peer_runs is None else peer_runs) if p not in absent]
     runs = {}
     t0 = time.perf_counter()
     for name in names:
