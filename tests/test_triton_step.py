@@ -502,7 +502,7 @@ def test_opcheck_steps():
 # ------------------------------------------------------------------------------ compiled kernels on a GPU
 
 @pytest.mark.gpu
-@pytest.mark.skipif(INTERPRET, reason="needs compiled kernels (the interpreter runs programs one by one)")
+@pytest.mark.skipif(INTERPRET, reason="needs a CUDA device: compiled kernels (the interpreter runs programs one by one)")
 def test_every_program_reads_the_old_step():
     """1024 programs racing to the counter: a program reading an advanced step would take the momentum
     formula on a first step and read the NaN-filled buffer."""
@@ -520,7 +520,7 @@ def test_every_program_reads_the_old_step():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(INTERPRET, reason="needs compiled kernels")
+@pytest.mark.skipif(INTERPRET, reason="needs a CUDA device: compiled kernels")
 def test_cuda_graph_replay_matches_eager():
     inv, lr = torch.tensor(1 / SCALE, device=DEVICE), torch.tensor(1e-3, device=DEVICE)
     (grads,) = grads_for(PARAMS, BF16, 1)
