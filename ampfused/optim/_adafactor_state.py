@@ -82,7 +82,7 @@ def _load_master(seg, i: int, e: dict, p: Tensor, master: Tensor) -> None:
 def import_state_dict(opt, state_dict: dict) -> None:
     """``opt.load_state_dict(sd)`` for Adafactor, from ours or from torch.optim.Adafactor's: everything checked,
     the new buffers built aside, then swapped in."""
-    from ._state import _saved_step, checked_groups
+    from ._state import _saved_step, checked_groups, finish_load, swap_loaded
     saved_state, sid_of, new_groups = checked_groups(opt, state_dict)
     plans = []
     for seg in opt._segments:
@@ -116,21 +116,5 @@ def import_state_dict(opt, state_dict: dict) -> None:
             built.append((seg, factors, master, torch.tensor(steps, dtype=torch.float32).to(seg.device),
                           [entry is not None for entry in entries]))
     for seg, factors, master, steps, has_state in built:
-        seg.states, seg.master, seg.steps, seg.has_state = {"factors": factors}, master, steps, has_state
-        seg.all_state = False
-        seg.lr_value = None
-        seg.forget()
-        seg.keep_remainders = True
-        for i, p in enumerate(seg.params):
-            if not has_state[i]:
-                opt.state.pop(p, None)
-    for g, ng in zip(opt.param_groups, new_groups):
-        g.update(ng)
-    saved_ids = {sid for s in state_dict["param_groups"] for sid in s["params"]}
-    for k in [k for k in opt.state if not isinstance(k, Tensor)]:
-        del opt.state[k]
-    for k, v in saved_state.items():
-        if k not in saved_ids:
-            opt.state[k] = v
-    opt._partials_cache = None
-    opt._bind_state()
+        swap_loaded(opt, seg, {"factors": factors}, master, steps, has_state)
+    finish_load(opt, state_dict, saved_state, new_groups)

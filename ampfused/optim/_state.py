@@ -326,7 +326,6 @@ def _load_moment(seg, i: int, key: str, e: dict, p: Tensor, states: dict, scales
 
 def import_state_dict(opt, state_dict: dict) -> None:
     """``opt.load_state_dict(sd)`` from ours or from torch.optim's matching optimizer."""
-    groups = opt.param_groups
     saved_state, sid_of, new_groups = checked_groups(opt, state_dict)  # everything checked before any change
     plans = [(seg, [checked_entry(opt, saved_state, sid_of[id(p)], p) for p in seg.params])
              for seg in opt._segments]
@@ -365,17 +364,29 @@ def import_state_dict(opt, state_dict: dict) -> None:
                           [entry is not None for entry in entries]))
     opt._segments = [relaid.get(id(seg), seg) for seg in opt._segments]
     for seg, states, scales, master, steps, has_state in built:
-        seg.states, seg.master, seg.steps, seg.has_state = states, master, steps, has_state
         if scales is not None:
             seg.scales = scales
-        seg.all_state = False
-        seg.lr_value = None
-        seg.forget()  # the next step compares every parameter with its (loaded) master
-        seg.keep_remainders = True  # (remainders: loaded with the weights they complete)
-        for i, p in enumerate(seg.params):
-            if not has_state[i]:
-                opt.state.pop(p, None)
-    for g, ng in zip(groups, new_groups):
+        swap_loaded(opt, seg, states, master, steps, has_state)
+    finish_load(opt, state_dict, saved_state, new_groups)
+
+
+def swap_loaded(opt, seg, states: dict, master, steps, has_state) -> None:
+    """A segment's loaded buffers in place of its own (built aside, all checked): the next step compares every
+    parameter with its loaded master."""
+    seg.states, seg.master, seg.steps, seg.has_state = states, master, steps, has_state
+    seg.all_state = False
+    seg.lr_value = None
+    seg.forget()
+    seg.keep_remainders = True  # (remainders: loaded with the weights they complete)
+    for i, p in enumerate(seg.params):
+        if not has_state[i]:
+            opt.state.pop(p, None)
+
+
+def finish_load(opt, state_dict: dict, saved_state: dict, new_groups: list) -> None:
+    """After the segments took their loaded buffers: the loaded param groups, and the state that is not a
+    parameter's, as torch.optim keeps them; the views in ``opt.state`` bound anew."""
+    for g, ng in zip(opt.param_groups, new_groups):
         g.update(ng)
     # what is not a parameter's state replaces what was, as torch.optim keeps it
     saved_ids = {sid for s in state_dict["param_groups"] for sid in s["params"]}
