@@ -33,6 +33,14 @@ ALIGN = 16  # bytes of a 128-bit access
 
 
 @triton.jit
+def _lerp(a, b, w):
+    """``torch.lerp(a, b, w)`` as ``reference.lerp`` specifies it: torch's two forms by the weight's size, each
+    operation rounded as written (no fused multiply-add)."""
+    d = b - a
+    return tl.where(tl.abs(w) < 0.5, a + w * d, b - d * (1.0 - w))
+
+
+@triton.jit
 def _to_f32(x):
     """Widen a loaded fp32/bf16/fp16 block to fp32 exactly."""
     if x.dtype == tl.bfloat16:

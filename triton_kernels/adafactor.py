@@ -24,7 +24,8 @@ import struct
 import triton
 import triton.language as tl
 
-from ._common import LAUNCH_OPTIONS, TL_DTYPES, _prologue, _round_to, _to_f32, device_guard, f32, nonempty
+from ._common import (LAUNCH_OPTIONS, TL_DTYPES, _lerp, _prologue, _round_to, _to_f32, device_guard, f32,
+                      nonempty)
 from ._compact import (MASTER_NONE, MASTER_REMAINDER, _join_master, _random_bits, _round_stochastic, _split_master,
                        _stream_key)
 
@@ -35,12 +36,6 @@ BC = 64
 BLOCK = 1024
 PBLOCK = 512
 NUM_WARPS = 4
-
-
-@triton.jit
-def _lerp(v, target, w):
-    """``torch.lerp``: its two forms by the weight's size, each operation rounded as written."""
-    return tl.where(tl.abs(w) < 0.5, v + w * (target - v), target - (target - v) * (1.0 - w))
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ._common import (LAUNCH_OPTIONS, TL_DTYPES, device_guard, f32, grid_size, nonempty, _advance_steps, _expm1,
-                      _load, _prologue, _step_chunk, _to_f32)
+                      _lerp, _load, _prologue, _step_chunk, _to_f32)
 from ._compact import (_load_state, _load_weight, _store_state, _store_weight, _stream_key, chunk_state_ptrs,
                        launch_format)
 from ._q8 import QBLOCK, _load_q8, _store_q8
@@ -60,9 +60,7 @@ def _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, sc1_ptr
     else:
         w_new = w
         g = tl.where(weight_decay != 0.0, g + weight_decay * w, g)
-    # torch.lerp(m, g, 1 - beta1), with torch's two formulas for small and large weights
-    diff = g - m
-    m_new = tl.where(one_minus_beta1 < 0.5, m + one_minus_beta1 * diff, g - diff * (1.0 - one_minus_beta1))
+    m_new = _lerp(m, g, one_minus_beta1)
     v_new = v * beta2 + one_minus_beta2 * g * g
     denom = tl.sqrt_rn(v_new) + eps_c
     w_new = w_new - tl.div_rn(step_size * m_new, denom)

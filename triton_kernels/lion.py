@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ._common import (LAUNCH_OPTIONS, TL_DTYPES, device_guard, f32, grid_size, nonempty, _advance_steps, _load,
-                      _prologue, _step_chunk, _to_f32)
+                      _lerp, _prologue, _step_chunk, _to_f32)
 from ._compact import (_load_state, _load_weight, _store_state, _store_weight, _stream_key, chunk_state_ptrs,
                        launch_format)
 from ._q8 import QBLOCK, _load_q8, _store_q8
@@ -21,13 +21,6 @@ NUM_WARPS = 4
 MAX_PROGRAMS = 1024
 PBLOCK = 512
 TBLOCK = 1024
-
-
-@triton.jit
-def _lerp(a, b, w):
-    # torch.lerp(a, b, w) in the form torch picks by the weight's size (reference.lerp)
-    d = b - a
-    return tl.where(w < 0.5, a + w * d, b - d * (1.0 - w))
 
 
 @triton.jit
