@@ -113,6 +113,25 @@ def _f64(bits):
     return bits.to(tl.int64).to(tl.float64, bitcast=True)
 
 
+@triton.jit
+def _update_tile(grad_ptr, col_ptr, base, row, rr, R, rm, cc, C, sr, sc, coef, eps1_sq, MAXIMIZE: tl.constexpr):
+    """A tile of rows ``rr`` and columns ``cc`` of one matrix: its mask, its elements' offsets, and the update
+    ``u = g / sqrt(max(row * col / mean(row), eps1^2))`` (``col_ptr``: the matrix's column factors)."""
+    mask = (rr < R)[:, None] & (cc < C)[None, :]
+    off = base + rr.to(tl.int64)[:, None] * sr + cc.to(tl.int64)[None, :] * sc
+    col = tl.load(col_ptr + cc, mask=cc < C, other=1.0)
+    v = _clamp_min(tl.div_rn(row[:, None] * col[None, :], rm), eps1_sq)
+    return mask, off, tl.div_rn(_grad(grad_ptr, off, mask, coef, MAXIMIZE), tl.sqrt_rn(v))
+
+
+@triton.jit
+def _step_size(w_sumsq, u_sumsq, n, eps2, rho, d):
+    """torch's step size: max(RMS(w), eps2) * rho / max(RMS(u) / d, 1), from fp64 sums of squares."""
+    root_n = tl.sqrt(n.to(tl.float64))
+    alpha = _max64(tl.sqrt_rn(w_sumsq.to(tl.float32)).to(tl.float64) / root_n, _f64(eps2)) * rho
+    return (alpha / _max64(tl.sqrt_rn(u_sumsq.to(tl.float32)).to(tl.float64) / (root_n * _f64(d)), 1.0)).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["P", "beta2_decay", "eps2", "d", "weight_decay"])
 def _adafactor_kernel(table_ptr, master_ptr, factors_ptr, steps_ptr, partials_ptr, inv_scale_ptr, lr_ptr,
                       out_stats_ptr, seed_ptr, P, p_stride_row, p_stride_col, beta2_decay, eps1, eps1_sq, eps2, d,
@@ -197,18 +216,11 @@ def _adafactor_kernel(table_ptr, master_ptr, factors_ptr, steps_ptr, partials_pt
                     rr = r0 + lr_
                     row = tl.load(rows_ptr + b * R + rr, mask=rr < R, other=1.0)
                     for c0 in range(0, C, BC):
-                        cc = c0 + lc_
-                        mask = (rr < R)[:, None] & (cc < C)[None, :]
-                        off = base + rr.to(tl.int64)[:, None] * sr + cc.to(tl.int64)[None, :] * sc
-                        col = tl.load(cols_ptr + b * C + cc, mask=cc < C, other=1.0)
-                        v = _clamp_min(tl.div_rn(row[:, None] * col[None, :], rm), eps1_sq)
-                        u = tl.div_rn(_grad(grad_ptr, off, mask, coef, MAXIMIZE), tl.sqrt_rn(v))
+                        mask, off, u = _update_tile(grad_ptr, cols_ptr + b * C, base, row, rr, R, rm, c0 + lc_, C, sr,
+                                                    sc, coef, eps1_sq, MAXIMIZE)
                         u = tl.where(mask, u, 0.0)
                         u_sumsq += tl.sum(tl.sum(u * u, axis=1), axis=0).to(tl.float64)
-            root_n = tl.sqrt(n.to(tl.float64))
-            alpha = _max64(tl.sqrt_rn(w_sumsq.to(tl.float32)).to(tl.float64) / root_n, _f64(eps2)) * rho
-            stepsize = (alpha / _max64(tl.sqrt_rn(u_sumsq.to(tl.float32)).to(tl.float64) / (root_n * _f64(d)),
-                                       1.0)).to(tl.float32)
+            stepsize = _step_size(w_sumsq, u_sumsq, n, eps2, rho, d)
             # 3. the weights
             for b in range(0, B):
                 base = _base(entry, b, nlead)
@@ -217,12 +229,8 @@ def _adafactor_kernel(table_ptr, master_ptr, factors_ptr, steps_ptr, partials_pt
                     rr = r0 + lr_
                     row = tl.load(rows_ptr + b * R + rr, mask=rr < R, other=1.0)
                     for c0 in range(0, C, BC):
-                        cc = c0 + lc_
-                        mask = (rr < R)[:, None] & (cc < C)[None, :]
-                        off = base + rr.to(tl.int64)[:, None] * sr + cc.to(tl.int64)[None, :] * sc
-                        col = tl.load(cols_ptr + b * C + cc, mask=cc < C, other=1.0)
-                        v = _clamp_min(tl.div_rn(row[:, None] * col[None, :], rm), eps1_sq)
-                        u = tl.div_rn(_grad(grad_ptr, off, mask, coef, MAXIMIZE), tl.sqrt_rn(v))
+                        mask, off, u = _update_tile(grad_ptr, cols_ptr + b * C, base, row, rr, R, rm, c0 + lc_, C, sr,
+                                                    sc, coef, eps1_sq, MAXIMIZE)
                         w = _weight(param_ptr, w_ptr, off, mask, MASTER_FORMAT, HAS_MASTER)
                         if DECAY:
                             w = w * decay
@@ -240,10 +248,7 @@ def _adafactor_kernel(table_ptr, master_ptr, factors_ptr, steps_ptr, partials_pt
                 u = tl.where(mask, tl.div_rn(g, tl.sqrt_rn(_clamp_min(var, eps1_sq))), 0.0)
                 w_sumsq += tl.sum(w * w, axis=0).to(tl.float64)
                 u_sumsq += tl.sum(u * u, axis=0).to(tl.float64)
-            root_n = tl.sqrt(n.to(tl.float64))
-            alpha = _max64(tl.sqrt_rn(w_sumsq.to(tl.float32)).to(tl.float64) / root_n, _f64(eps2)) * rho
-            stepsize = (alpha / _max64(tl.sqrt_rn(u_sumsq.to(tl.float32)).to(tl.float64) / (root_n * _f64(d)),
-                                       1.0)).to(tl.float32)
+            stepsize = _step_size(w_sumsq, u_sumsq, n, eps2, rho, d)
             for j0 in range(0, n, BLOCK):
                 off = (j0 + lanes).to(tl.int64)
                 mask = off < n
