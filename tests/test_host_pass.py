@@ -347,13 +347,9 @@ def test_the_cuda_backends_table_entries_hand_its_kernels_the_rows_of_its_list_e
     assert args[:5] == (work.table, 3, 1, 1, seg.master.data_ptr())
 
 
-@needs_host
-@needs_cpu
-def test_the_cuda_backends_cached_work_keeps_no_staging_buffer(monkeypatch):
-    """The CUDA backend's cached device work (its module replaced by a recorder, its upload by a copy as on a
-    device) keeps no staging buffer: a changed table, in a loop whose tables change (fresh gradients), finds the
-    blocks of the tables before it free once their copies are done, and allocates no page-locked memory (a call
-    that CUDA may serve by synchronizing the device)."""
+def _recording_cuda_backend(monkeypatch, calls: list):
+    """A CUDA backend whose module is a recorder (each call appended to ``calls``) and whose uploads are copies as
+    on a device, with a watch on its page-locked staging; its cached device work cleared."""
     from ampfused.ops import cuda as C
     from test_work_lists import StagingWatch
 
@@ -361,7 +357,7 @@ def test_the_cuda_backends_cached_work_keeps_no_staging_buffer(monkeypatch):
         STEP_CHUNK, TILE, MAX_PARTIALS_PER_TENSOR, WORK_SHIFT = 4096, 1024, 64, 32
 
         def __getattr__(self, name):
-            return lambda *args: None
+            return lambda *args: calls.append((name, args))
 
     backend = C.CudaBackend()
     monkeypatch.setattr(backend, "_mod", lambda: Recorder())
@@ -371,6 +367,18 @@ def test_the_cuda_backends_cached_work_keeps_no_staging_buffer(monkeypatch):
         monkeypatch.setattr(C, name, fake)
     watch = StagingWatch(monkeypatch)
     C._works.clear()
+    return backend, watch
+
+
+@needs_host
+@needs_cpu
+def test_the_cuda_backends_cached_work_keeps_no_staging_buffer(monkeypatch):
+    """The CUDA backend's cached device work (its module replaced by a recorder, its upload by a copy as on a
+    device) keeps no staging buffer: a changed table, in a loop whose tables change (fresh gradients), finds the
+    blocks of the tables before it free once their copies are done, and allocates no page-locked memory (a call
+    that CUDA may serve by synchronizing the device)."""
+    from ampfused.ops import cuda as C
+    backend, watch = _recording_cuda_backend(monkeypatch, [])
 
     params = [torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in (3000, 5, 1500)]
     opt = ampfused.FusedAdamW(params, lr=0.1, backend="cpu")
@@ -440,24 +448,8 @@ def test_fresh_gradients_upload_the_table_alone_on_the_cuda_backend(monkeypatch)
     after fresh gradient tensors of the same sizes: a new device table, the work lists kept on the device (the
     kernels get the same chunk and column addresses); a gradient gone rebuilds the lists."""
     from ampfused.ops import cuda as C
-    from test_work_lists import StagingWatch
-
     calls = []
-
-    class Recorder:
-        STEP_CHUNK, TILE, MAX_PARTIALS_PER_TENSOR, WORK_SHIFT = 4096, 1024, 64, 32
-
-        def __getattr__(self, name):
-            return lambda *args: calls.append((name, args))
-
-    backend = C.CudaBackend()
-    monkeypatch.setattr(backend, "_mod", lambda: Recorder())
-    monkeypatch.setattr(backend, "_device_args", lambda device: (0, 0))
-    for name, fake in (("_counter", lambda steps: 0), ("_capturing", lambda index: False),
-                       ("_device_index", lambda device: 0), ("_raw_stream", lambda index: 0)):
-        monkeypatch.setattr(C, name, fake)
-    watch = StagingWatch(monkeypatch)
-    C._works.clear()
+    backend, watch = _recording_cuda_backend(monkeypatch, calls)
     params = [torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in (9000, 5, 1500)]
     opt = ampfused.FusedAdamW(params, lr=0.1, backend="cpu")
     inv = torch.ones(())

@@ -30,15 +30,9 @@ from ampfused.optim import _gradients
 from . import host_stubs
 
 
-def time_step(tensors: int, use_host: bool, scaler_path: bool, calls: int = 20000, rounds: int = 5) -> float:
-    """Median microseconds per call over ``rounds`` rounds of ``max(20, calls // tensors)`` calls."""
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(16, dtype=torch.bfloat16)) for _ in range(tensors)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt = ampfused.FusedAdamW(params, lr=1e-3, max_grad_norm=1.0, backend="cpu")
-    scaler = ampfused.GradScaler("cpu")
-    one = torch.ones(())
+def _stepper(opt, scaler_path: bool):
+    """One step of ``opt``: through ``ampfused.GradScaler`` (scale, step, update) when ``scaler_path``."""
+    scaler, one = ampfused.GradScaler("cpu"), torch.ones(())
 
     def call():
         if scaler_path:
@@ -47,6 +41,17 @@ def time_step(tensors: int, use_host: bool, scaler_path: bool, calls: int = 2000
             scaler.update()
         else:
             opt.step()
+    return call
+
+
+def time_step(tensors: int, use_host: bool, scaler_path: bool, calls: int = 20000, rounds: int = 5) -> float:
+    """Median microseconds per call over ``rounds`` rounds of ``max(20, calls // tensors)`` calls."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(16, dtype=torch.bfloat16)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = ampfused.FusedAdamW(params, lr=1e-3, max_grad_norm=1.0, backend="cpu")
+    call = _stepper(opt, scaler_path)
 
     saved = _gradients._HOST
     if not use_host:
@@ -96,16 +101,7 @@ def time_backend(backend: str, tensors: int, params: int, fresh: bool, scaler_pa
     grads = [[torch.randn_like(p) for p in ps] for _ in range(sets if fresh else 1)]
     with host_stubs.host_only(backend) as name:
         opt = ampfused.FusedAdamW(ps, lr=1e-3, max_grad_norm=1.0, backend=name)
-        scaler = ampfused.GradScaler("cpu")
-        one = torch.ones(())
-
-        def call():
-            if scaler_path:
-                scaler.scale(one)
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
+        call = _stepper(opt, scaler_path)
 
         def give(k):
             if fresh or k == 0:
