@@ -142,11 +142,33 @@ def check_opcheck(device, backend):
         torch.library.opcheck(o.adam_step_.default, (t["params"], grads_, t["master"], t["exp_avg"],
                                                      t["exp_avg_sq"], t["steps"], t["partials"], t["inv_scale"],
                                                      t["lr"], t["out_stats"], 0.9, 0.999, 1e-8, 0.01, 1.0, True,
-                                                     False, backend))
+                                                     False, backend, None, None))
         torch.library.opcheck(o.sgd_step_.default, (t["params"], grads_, t["master"], t["exp_avg"], t["steps"],
                                                     t["partials"], t["inv_scale"], t["lr"], t["out_stats"], 0.9, 0.0,
-                                                    0.01, True, 1.0, False, backend))
+                                                    0.01, True, 1.0, False, backend, None, None))
 
 
 def test_opcheck():
     check_opcheck("cpu", "cpu")
+
+
+def test_traced_calls_pass_every_argument_of_the_custom_op():
+    """A Python kernel of the custom op (a dispatch mode here; autograd's in-place kernel on torch before 2.13, which
+    bumps each written argument by its position) sees every argument: the dispatcher dropped ``state_scales``
+    when it was left to a default (IndexError on torch 2.11), so the step ops declare none."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "ampfused":
+                seen[func._schema.name] = (len(args), len(func._schema.arguments), sorted(kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    t = step_tensors("cpu", n=40)
+    with Record():
+        ops.adamw_step_(t["params"], t["grads"], t["master"], t["exp_avg"], t["exp_avg_sq"], t["steps"],
+                        t["partials"], t["inv_scale"], t["lr"], t["out_stats"], backend="cpu")
+    given, declared, kw = seen["ampfused::adam_step_"]
+    assert given == declared and not kw, seen

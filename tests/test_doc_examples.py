@@ -7,11 +7,13 @@ moves or is added without a test fails ``test_every_example_is_tested``. The fra
 ``tests/distributed/test_dist_readme.py``."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import os
 import re
 import sys
+import types
 
 import pytest
 import torch
@@ -268,3 +270,50 @@ def test_cuda_graph_example():
     torch.cuda.synchronize()
     assert _changed(before, model)
     assert int(ns["opt"].stats()["steps"]) == 2 + len(loader)  # the warm-up steps and one replay per batch
+
+
+class _EagerCuda:
+    """The CUDA-graph calls of docs/cuda-graphs.md run eagerly, so the example's Python runs on the CPU: the capture
+    block runs its body once, and each replay runs ``replay``."""
+
+    def __init__(self, replay):
+        self._replay = replay
+
+    def Stream(self):
+        return types.SimpleNamespace(wait_stream=lambda other: None)
+
+    current_stream = Stream
+
+    def stream(self, s):
+        return contextlib.nullcontext()
+
+    def CUDAGraph(self):
+        return types.SimpleNamespace(replay=self._replay)
+
+    def graph(self, g):
+        return contextlib.nullcontext()
+
+
+class _TorchWith:
+    def __init__(self, cuda):
+        self.cuda = cuda
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def test_cuda_graph_example_runs_eagerly_on_the_cpu():
+    """The example's warm-up, capture and loop in order, with the graph calls eager: on a machine without a GPU
+    this still runs every line of the example but the graph's own (a step before the scaler's first scale
+    raises, as torch's does)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4)).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    loader = [(torch.randn(8, 16, generator=g).to(torch.bfloat16), torch.randint(0, 4, (8,), generator=g))
+              for _ in range(3)]
+    before = _params(model)
+    ns = dict(ampfused=ampfused, model=model, loader=loader, loss_fn=_loss_fn)
+    ns["torch"] = _TorchWith(_EagerCuda(lambda: (ns["scaler"].step(ns["opt"]), ns["scaler"].update())))
+    exec(example("docs/cuda-graphs.md", "opt = ampfused.FusedAdamW("), ns)
+    assert _changed(before, model)
+    assert int(ns["opt"].stats()["steps"]) == 2 + 1 + len(loader)  # warm-up, the eager "capture", the replays

@@ -211,9 +211,9 @@ def test_custom_ops_pass_opcheck():
         opcheck(torch.ops.ampfused.norm_check.default, ([g, g[:7]], inv, b))
         opcheck(torch.ops.ampfused.unscale_.default, ([g.clone()], inv, b))
         opcheck(torch.ops.ampfused.adam_step_.default,
-                (ps, gs, master, m, v, steps, part, inv, lr, st, 0.9, 0.999, 1e-8, 0.01, 1.0, True, False, b))
+                (ps, gs, master, m, v, steps, part, inv, lr, st, 0.9, 0.999, 1e-8, 0.01, 1.0, True, False, b, None, None))
         opcheck(torch.ops.ampfused.sgd_step_.default,
-                (ps, gs, master, m, steps, part, inv, lr, st, 0.9, 0.0, 0.0, True, math.inf, False, b))
+                (ps, gs, master, m, steps, part, inv, lr, st, 0.9, 0.0, 0.0, True, math.inf, False, b, None, None))
         opcheck(torch.ops.ampfused.update_scale_.default,
                 (torch.tensor(8.0), torch.zeros((), dtype=torch.int32), torch.tensor(0.0), 2.0, 0.5, 2, None, None, b))
         opcheck(torch.ops.ampfused.update_scale_.default,

@@ -492,11 +492,11 @@ def test_opcheck_steps():
     s = new_problem("adam", BF16, True, specs)
     torch.library.opcheck(torch.ops.ampfused.adam_step_.default,
                           (s.params, grads, s.master, *s.states, s.steps, partials, inv, lr, s.out, 0.9, 0.999, 1e-8,
-                           0.01, 1.0, True, False, "triton"))
+                           0.01, 1.0, True, False, "triton", None, None))
     s = new_problem("sgd", BF16, True, specs)
     torch.library.opcheck(torch.ops.ampfused.sgd_step_.default,
                           (s.params, grads, s.master, *s.states, s.steps, partials, inv, lr, s.out, 0.9, 0.0, 0.0,
-                           True, math.inf, False, "triton"))
+                           True, math.inf, False, "triton", None, None))
 
 
 # ------------------------------------------------------------------------------ compiled kernels on a GPU

@@ -78,7 +78,17 @@ def _call(op: str, probe: Tensor, *args, **kw):
         if written:
             torch.autograd.graph.increment_version(written)
         return out
-    return getattr(library, op)(*args, **kw)
+    return getattr(library, op)(*_positional(op, args, kw))
+
+
+# each op's argument names, read once (traced code cannot read schemas)
+_ARG_NAMES = {op: tuple(a.name for a in getattr(library, op)._opoverload._schema.arguments) for op in _MUTATED}
+
+
+def _positional(op: str, args: tuple, kw: dict) -> tuple:
+    """Every argument of the custom op in schema order, the optional trailing ones (``seed``, ``state_scales``)
+    from ``kw`` or ``None``: the step ops declare them without defaults (``library.py``)."""
+    return tuple(args) + tuple(kw.get(name) for name in _ARG_NAMES[op][len(args):])
 
 
 def num_partials(numels: List[int], device="cpu", backend: Optional[str] = None) -> int:

@@ -2,6 +2,11 @@
 
 The backend is resolved in Python before the op is called and passed by name, so a compiled graph holds
 one opaque call per op and a step under ``torch.compile(fullgraph=True)`` has no graph break.
+
+An argument an op writes has no default value (``state_scales`` of the step ops may be ``None`` but must be
+given): the dispatcher drops trailing arguments equal to their defaults before it calls a Python kernel, and
+torch before 2.13 bumps the version of each written argument by its position, so a dropped one raised
+IndexError (under autograd's in-place kernel, dispatch modes, ``opcheck``).
 """
 from __future__ import annotations
 
@@ -59,8 +64,8 @@ def _scales(state_scales: Optional[Tensor]) -> dict:
 def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,
                exp_avg_sq: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
                beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float, decoupled: bool,
-               maximize: bool, backend: str, seed: Optional[Tensor] = None,
-               state_scales: Optional[Tensor] = None) -> None:
+               maximize: bool, backend: str, seed: Optional[Tensor],
+               state_scales: Optional[Tensor]) -> None:
     get_backend(backend).adam_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
                                     out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize,
                                     seed=seed, **_scales(state_scales))
@@ -76,8 +81,8 @@ def _(*args):
 def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
               momentum_buf: Optional[Tensor], steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
               out_stats: Tensor, momentum: float, dampening: float, weight_decay: float, nesterov: bool,
-              max_norm: float, maximize: bool, backend: str, seed: Optional[Tensor] = None,
-              state_scales: Optional[Tensor] = None) -> None:
+              max_norm: float, maximize: bool, backend: str, seed: Optional[Tensor],
+              state_scales: Optional[Tensor]) -> None:
     get_backend(backend).sgd_step_(params, grads, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
                                    momentum, dampening, weight_decay, nesterov, max_norm, maximize, seed=seed,
                                    **_scales(state_scales))
@@ -93,7 +98,7 @@ def _(*args):
 def lion_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,
                steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta1: float,
                beta2: float, weight_decay: float, max_norm: float, maximize: bool, backend: str,
-               seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None) -> None:
+               seed: Optional[Tensor], state_scales: Optional[Tensor]) -> None:
     get_backend(backend).lion_step_(params, grads, master, exp_avg, steps, partials, inv_scale, lr, out_stats,
                                     beta1, beta2, weight_decay, max_norm, maximize, seed=seed,
                                     **_scales(state_scales))
