@@ -244,15 +244,79 @@ def test_cpu_bits_do_not_depend_on_the_thread_count():
         assert_bitwise("1 and 3 threads", x, y)
 
 
+def _decode_tiles(params, grads, tile_elems):
+    """Every (parameter, batch, row) a tile of the cuda backend's layout owns and every (parameter, batch, column) a
+    column item owns, found as csrc/cuda/adafactor.cu finds them (af_find, af_tile), with each tile's partials."""
+    from ampfused.ops import native_adafactor as na
+    info, num_tiles, num_items, num_colparts = na.tiles(params, grads, tile_elems)
+    rows = [info[k * na.AF_INFO:(k + 1) * na.AF_INFO] for k in range(len(params) + 1)]
+
+    def find(x, col):
+        lo, hi = 0, len(params)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if rows[mid][col] <= x else (lo, mid)
+        return lo
+
+    owned, cols, parts = [], [], []
+    for x in range(num_tiles):
+        k = find(x, 0)
+        first, band, colbase, _ = rows[k]
+        local, shape = x - first, tuple(params[k].shape)
+        if len(shape) > 1:
+            r_, c_ = shape[-2], shape[-1]
+            bands = -(-r_ // band)
+            b, r0 = local // bands, (local % bands) * band
+            owned += [(k, b, r) for r in range(r0, min(r_, r0 + band))]
+            parts += list(range(colbase + local * c_, colbase + (local + 1) * c_))
+        else:
+            owned += [(k, 0, j) for j in range(local * band, min(params[k].numel(), (local + 1) * band))]
+    for x in range(num_items):
+        k = find(x, 3)
+        local, shape = x - rows[k][3], tuple(params[k].shape)
+        chunks = -(-shape[-1] // na.AF_COL_CHUNK)
+        b, c0 = local // chunks, (local % chunks) * na.AF_COL_CHUNK
+        cols += [(k, b, c) for c in range(c0, min(shape[-1], c0 + na.AF_COL_CHUNK))]
+    return owned, cols, parts, num_colparts
+
+
+@pytest.mark.parametrize("tile_elems", [1, 7, 64, 16384])
+def test_cuda_tiles_cover_every_row_and_column_once(tile_elems):
+    """The cuda backend's tile layout (native_adafactor.tiles), read as its kernel reads it: each row of every
+    matrix (each element of a vector) in one tile, each column in one item, the column partials disjoint;
+    parameters without a gradient in none."""
+    params = [torch.zeros(s) for s, _ in PARAMS] + [torch.zeros(300, 5), torch.zeros(4, 600), torch.zeros(9)]
+    grads = [torch.zeros(1) for _ in params]
+    grads[1] = None
+    owned, cols, parts, num_colparts = _decode_tiles(params, grads, tile_elems)
+    want_rows, want_cols = [], []
+    for k, (p, g) in enumerate(zip(params, grads)):
+        if g is None:
+            continue
+        if p.dim() > 1:
+            lead = math.prod(p.shape[:-2])
+            want_rows += [(k, b, r) for b in range(lead) for r in range(p.shape[-2])]
+            want_cols += [(k, b, c) for b in range(lead) for c in range(p.shape[-1])]
+        else:
+            want_rows += [(k, 0, j) for j in range(p.numel())]
+    assert sorted(owned) == sorted(want_rows) and len(set(owned)) == len(owned)
+    assert sorted(cols) == sorted(want_cols) and len(set(cols)) == len(cols)
+    assert sorted(parts) == list(range(num_colparts))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
-def test_gpu_backends_match_the_reference(backend):
+@pytest.mark.parametrize("backend,tile_elems", [("cuda", None), ("cuda", 16), ("triton", None)])
+def test_gpu_backends_match_the_reference(backend, tile_elems, monkeypatch):
     """The CUDA kernels and the compiled Triton kernels on a GPU: within the oracle rule of the reference (run on
     the same device, fp32 and fp64), bit for bit run to run; remainders give the fp32-master run's masters bit for
-    bit; stochastic rounding bit for bit run to run."""
+    bit; stochastic rounding bit for bit run to run. ``tile_elems``: the CUDA kernel's tiles made small, so that
+    every matrix is cut into several bands (and a vector into several spans)."""
     reasons = ops.registry.reasons_for(backend, torch.device("cuda"))
     if reasons:
         pytest.skip(f"the {backend} backend cannot run on this GPU: " + "; ".join(reasons))
+    if tile_elems is not None:
+        from ampfused.ops import native_adafactor
+        monkeypatch.setattr(native_adafactor, "AF_TILE_ELEMS", tile_elems)
     init, layouts = _runs()
 
     def on_gpu(run):
@@ -305,3 +369,38 @@ def test_native_modules_read_the_table_python_writes(kind):
     row = native_adafactor.table([p], [None])
     assert len(row) == native_adafactor.AF_COLS and row[2] == _native.NO_GRAD and row[5] == 3
     assert row[6:9] == [4, 2, 3] and row[14:17] == list(p.stride())
+
+
+def test_cuda_backend_passes_its_module_the_table_tiles_and_scratch(monkeypatch):
+    """Without a GPU: the cuda backend's Adafactor call (its module replaced by a recorder) gives the module as many
+    arguments as the built module declares, and uploads the table rows followed by the tile layout, with scratch
+    for the column partials and three sums per tile; the upload is reused while the table holds."""
+    from ampfused import _native
+    from ampfused.ops import native_adafactor as na
+    from test_host_pass import _recording_cuda_backend
+    if _native.unavailable_reason("cuda"):
+        pytest.skip(f"ampfused's cuda module is not built: {_native.unavailable_reason('cuda')}")
+    declared = _native.module("cuda").adafactor_step.__doc__.split("->")[0].count("arg")
+    calls = []
+    backend, _ = _recording_cuda_backend(monkeypatch, calls)
+    na._device_tables.clear()
+    params = [torch.zeros(40, 30), torch.zeros(17)]
+    grads = [torch.randn(40, 30), torch.randn(17)]
+    factors = torch.zeros(factor_layout([p.shape for p in params])[1])
+    steps, stats, one, lr = torch.zeros(2), torch.zeros(2), torch.ones(()), torch.tensor(1e-2)
+    partials = reference.norm_check(grads, one)
+    monkeypatch.setattr(na, "AF_TILE_ELEMS", 256)
+    for _ in range(2):
+        backend.adafactor_step_(params, grads, None, factors, steps, partials, one, lr, stats, -0.8, None, 1e-3, 1.0,
+                                0.0, math.inf)
+    assert [name for name, _ in calls] == ["adafactor_step"] * 2 and calls[0][1] == calls[1][1]
+    args = calls[0][1]
+    assert len(args) == declared
+    (work,) = na._device_tables.values()
+    info, num_tiles, num_items, num_colparts = na.tiles(params, grads, 256)
+    rows = na.table(params, grads)
+    assert work.table.tolist() == rows + info and args[0] == work.table.data_ptr()
+    assert (num_tiles, num_items, num_colparts) == (5 + 1, 1, 5 * 30)  # bands of 8 rows; one span of the vector
+    assert args[-5:] == (num_tiles, num_items, num_colparts, work.scratch.data_ptr(), na.AF_COL_CHUNK)
+    assert work.scratch.dtype == torch.float64 and work.scratch.numel() == num_colparts + 3 * num_tiles
+    na._device_tables.clear()

@@ -4,6 +4,7 @@ addresses, numel (``NO_GRAD`` without a gradient), the offset of its weights in 
 ``factors``, its number of dimensions, then ``AF_MAX_DIMS`` sizes and ``AF_MAX_DIMS`` strides (elements)."""
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 import torch
@@ -29,6 +30,42 @@ def table(params: List[Tensor], grads: List[Optional[Tensor]]) -> List[int]:
         rows += [p.data_ptr(), 0 if g is None else g.data_ptr(), _N.NO_GRAD if g is None else p.numel(),
                  offsets[i], foffsets[i], p.dim()] + list(p.shape) + pad + list(p.stride()) + pad
     return rows
+
+
+# The cuda backend's tiles (csrc/cuda/adafactor.cu): a matrix is cut into bands of whole rows of about
+# AF_TILE_ELEMS elements (one band per block and pass), a vector into spans of AF_TILE_ELEMS; the column sums are
+# finished in items of AF_COL_CHUNK columns.
+AF_TILE_ELEMS = 16384
+AF_COL_CHUNK = 256
+AF_INFO = 4  # ints per row of the tile layout
+
+
+def tiles(params: List[Tensor], grads: List[Optional[Tensor]], tile_elems: Optional[int] = None) -> tuple:
+    """The tile layout of the cuda backend's Adafactor step: ``(info, tiles, column items, partials)``. ``info``
+    holds, for each parameter and one past the last, its first tile, the rows of its bands (a vector: the
+    elements of its spans), the offset of its column partial sums (fp64, a band's C in a row) and its first column
+    item; a parameter without a gradient has none. ``partials``: the length of the column partial sums."""
+    tile_elems = AF_TILE_ELEMS if tile_elems is None else int(tile_elems)
+    info: List[int] = []
+    first = colbase = item = 0
+    for p, g in zip(params, grads):
+        shape = tuple(p.shape)
+        band = tile_elems
+        ntiles = nitems = 0
+        if g is not None and len(shape) > 1:
+            lead = math.prod(shape[:-2])
+            r, c = shape[-2], shape[-1]
+            band = max(1, min(r, tile_elems // max(c, 1)))
+            ntiles = lead * (-(-r // band))
+            nitems = lead * (-(-c // AF_COL_CHUNK))
+        elif g is not None:
+            ntiles = -(-p.numel() // tile_elems)
+        info += [first, band, colbase, item]
+        first += ntiles
+        colbase += ntiles * (shape[-1] if len(shape) > 1 else 0)
+        item += nitems
+    info += [first, 1, colbase, item]
+    return info, first, item, colbase
 
 
 def check(backend: str, params, grads, master, factors, steps, partials, inv_scale, lr, out_stats, seed) -> tuple:
@@ -60,17 +97,37 @@ def adafactor_step_(self, params, grads, master: Optional[Tensor], factors: Tens
         float(weight_decay), float(max_norm), bool(maximize), *self._device_args(steps.device), fmt, seed_ptr)
 
 
-_device_tables: dict = {}  # (device index, address of a step tensor) -> (rows, device table, host staging)
-_kept_for_graphs: list = []  # device tables that a captured CUDA graph may still read
+_device_tables: dict = {}  # (device index, address of a step tensor) -> _CudaWork
+_kept_for_graphs: list = []  # device tables and scratch that a captured CUDA graph may still read
+
+
+class _CudaWork:
+    """What the cuda backend's Adafactor step reads besides the tensors: the table and its tile layout on the
+    device (one upload), and the fp64 scratch of the partial sums (column sums per band, and per tile the sums of
+    w*w, of the new row factors and of u*u). Made when the table changes, reused while it holds the same ints."""
+
+    def __init__(self, rows: List[int], params, grads, device: torch.device):
+        from . import _work
+        self.rows, self.tile_elems = rows, AF_TILE_ELEMS
+        info, self.num_tiles, self.num_items, self.num_colparts = tiles(params, grads, self.tile_elems)
+        host, view = _work.staging(len(rows) + len(info), device)
+        view[:len(rows)] = rows
+        view[len(rows):len(rows) + len(info)] = info
+        self.table = _work.upload(host, device)  # host goes back to torch's page-locked cache once copied
+        self.scratch = torch.empty(max(1, self.num_colparts + 3 * self.num_tiles), dtype=torch.float64,
+                                   device=device)
+
+    def holds(self, rows: List[int]) -> bool:
+        return self.rows == rows and self.tile_elems == AF_TILE_ELEMS
 
 
 def adafactor_step_cuda(self, params, grads, master: Optional[Tensor], factors: Tensor, steps: Tensor,
                         partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta2_decay: float,
                         eps1: Optional[float], eps2: float, d: float, weight_decay: float, max_norm: float,
                         maximize: bool = False, seed: Optional[Tensor] = None) -> None:
-    """Adafactor on the cuda backend (a method of ``CudaBackend``): the table uploaded to the device once per call
-    site (its step tensor), asynchronously from page-locked memory, and reused while it holds the same ints."""
-    from . import _work
+    """Adafactor on the cuda backend (a method of ``CudaBackend``): the table and its tiles uploaded to the device
+    once per call site (its step tensor), asynchronously from page-locked memory, and reused while the table holds
+    the same ints; one cooperative launch over every tile (csrc/cuda/adafactor.cu)."""
     from .cuda import _capturing, _device_index
     from .reference_adafactor import EPS1_DEFAULT
     params, grads = list(params), list(grads)
@@ -78,20 +135,19 @@ def adafactor_step_cuda(self, params, grads, master: Optional[Tensor], factors: 
     rows = table(params, grads)
     index = _device_index(steps.device)
     key = (index, steps.data_ptr())
-    kept = _device_tables.get(key)
-    if kept is None or kept[0] != rows:
+    work = _device_tables.get(key)
+    if work is None or not work.holds(rows):
         if _capturing(index):
             raise RuntimeError("the cuda backend cannot upload a new Adafactor table while a CUDA graph is being "
                                "captured: run one step eagerly with exactly these tensors before capturing it")
-        host, view = _work.staging(len(rows), steps.device)
-        view[:len(rows)] = rows
-        kept = _device_tables[key] = (rows, _work.upload(host, steps.device), host)
+        work = _device_tables[key] = _CudaWork(rows, params, grads, steps.device)
     if _capturing(index):
-        _kept_for_graphs.append(kept[1])
+        _kept_for_graphs.append(work)
     partials = _N.partials_arg(partials)
     self._mod().adafactor_step(
-        kept[1].data_ptr(), len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0, _N.grad_code(grads),
+        work.table.data_ptr(), len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0, _N.grad_code(grads),
         _N.ptr(master), factors.data_ptr(), steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], partials.data_ptr(),
         partials.shape[1], inv_scale.data_ptr(), lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr(),
         float(beta2_decay), EPS1_DEFAULT if eps1 is None else float(eps1), float(eps2), float(d),
-        float(weight_decay), float(max_norm), bool(maximize), *self._device_args(steps.device), fmt, seed_ptr)
+        float(weight_decay), float(max_norm), bool(maximize), *self._device_args(steps.device), fmt, seed_ptr,
+        work.num_tiles, work.num_items, work.num_colparts, work.scratch.data_ptr(), AF_COL_CHUNK)

@@ -141,6 +141,9 @@ def lion_state_bytes_per_param(master: str = "fp32", moment_bytes: float = FP32)
 #   apply    read g, read and write the weight, write the model copy
 # A vector (unfactored): K1; one pass for the variance (read + write, fp32) and both sums (g, the weight); one to
 # apply (g, the variance, the weight read and written, the model copy).
+# The CUDA kernel cuts a matrix into bands of whole rows and reads a band's g for its column sums right after its
+# row sums (from L2, counted here as DRAM); its fp64 column partial sums add 16 / rows-per-band B/param (about 0.8
+# at 768 columns), left out like the factors.
 ADAFACTOR_PASSES = ("K1", "sums", "update", "apply")
 
 

@@ -6,9 +6,10 @@
   without a gradient), the CUDA backend's single-launch step, and a few steps of each fused optimizer with
   ``ampfused.GradScaler``: short enough to run under ``compute-sanitizer``. Results are compared with the
   reference backend run on CPU copies, so the sanitizer sees ampfused's kernels and a few copies.
-* ``sync-debug``: ``scaler.step(opt); scaler.update()`` of FusedAdamW / FusedAdam / FusedSGD under
-  ``torch.cuda.set_sync_debug_mode("error")``, for a model built on the CPU and moved to the device after its
-  optimizer was built, gradients set to None between steps, checked against a twin on the reference backend.
+* ``sync-debug``: ``scaler.step(opt); scaler.update()`` of each fused optimizer (AdamW, Adam, SGD, Lion,
+  Adafactor) under ``torch.cuda.set_sync_debug_mode("error")``, for a model built on the CPU and moved to the
+  device after its optimizer was built, gradients set to None between steps, checked against a twin on the
+  reference backend.
 * ``graph``: a warmed-up ``opt.step()`` (and ``scaler.step(opt); scaler.update()``) captured in a CUDA graph
   and replayed with fresh gradient values copied into the fixed gradient tensors (one replay overflows),
   compared bit for bit with an eager twin that gets fresh gradient tensors each step.

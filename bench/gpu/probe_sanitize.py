@@ -185,6 +185,8 @@ OPTIMIZERS = [  # (class name, hyperparameters)
     ("FusedAdamW", dict(lr=1e-2, weight_decay=0.1, max_grad_norm=1.0)),
     ("FusedAdam", dict(lr=1e-2, weight_decay=0.01, max_grad_norm=1.0)),
     ("FusedSGD", dict(lr=1e-2, momentum=0.9, nesterov=True, max_grad_norm=1.0)),
+    ("FusedLion", dict(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0)),
+    ("FusedAdafactor", dict(lr=1e-2, weight_decay=0.01, max_grad_norm=1.0)),  # cuda: a cooperative launch
 ]
 
 

@@ -1,13 +1,22 @@
 // The CUDA Adafactor step (ampfused/ops/reference_adafactor.py; the same passes as csrc/cpu/adafactor.h and
-// triton_kernels/adafactor.py): one launch, one block per parameter. A block owns its parameter, so the factors
-// it writes are read by no other block and the passes need no grid-wide barrier:
-//   1. row sums of the clipped gradient's squares (one warp per row, its lanes along the row) and the weight's;
-//      the new row factors; column sums (each lane one column, rows in order); the new column factors;
-//   2. the update's sum of squares (u = g / sqrt(max(row * col / max(mean(rows), eps1), eps1^2)));
-//   3. the step size (fp64 from the fp32 sums, rounded once) and the weights, in the step's master format.
-// Sums are fp64 in an order fixed by the shape (lanes and warps reduced by a fixed shuffle tree), the build
-// forbids fma: the same bits run to run. Self-contained beyond common.cuh's prologue and block reduction.
+// triton_kernels/adafactor.py): one cooperative launch, its blocks over tiles of every parameter (a band of whole
+// rows of one matrix, or a span of a vector: ampfused/ops/native_adafactor.py, tiles), grid barriers between
+//   1. per tile: its rows' sums of the clipped gradient's squares (a warp per row, lanes along the row) and the
+//      new row factors (a band owns its rows), its columns' partial sums (a thread per column, the band's rows in
+//      order), and the sums of w*w and of the new row factors; a vector's tile updates its variance and sums
+//      w*w and u*u;
+//   2. per column item (AfCudaHyper::col_chunk columns of one matrix): the column sums over the bands in order,
+//      the new column factors;
+//   3. per band: the sum of u*u (u = g / sqrt(max(row * col / max(mean(rows), eps1), eps1^2)));
+//   4. per tile: the step size (fp64 from the parameter's tile sums in tile order, rounded once) and the
+//      weights, in the step's master format; then block 0 advances the step counts.
+// Every sum is fp64 in an order fixed by the shapes and the tile size (lanes and warps by a fixed shuffle tree,
+// tiles in order), never by the grid: the same bits run to run. The build forbids fma. A block reads what other
+// blocks wrote only after a grid barrier, through L2 (__ldcg).
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "common.cuh"
 
@@ -109,41 +118,90 @@ struct AfElems {
   }
 };
 
-// max(mean of matrix b's new row factors, eps1), in every thread (summed in a fixed order).
-__device__ __forceinline__ float af_rmean(const float* rows, int64_t R, float eps1) {
+// The row of the table whose tiles (col 0) or column items (col 3) hold x: info has count + 1 rows, ascending.
+__device__ __forceinline__ int64_t af_find(const int64_t* info, int64_t count, int64_t x, int col) {
+  int64_t lo = 0, hi = count;  // info[lo] <= x < info[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (info[mid * kAfInfo + col] <= x) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// The block's sum of xs[0..n) (fp64, read through L2), in an order fixed by n, in every thread.
+__device__ __forceinline__ double af_sum_l2(const double* xs, int64_t n) {
   double s = 0.0;
-  for (int64_t r = threadIdx.x; r < R; r += kThreads) s += double(rows[r]);
-  return af_clamp_min(__fdiv_rn(float(block_sum_all(s)), float(R)), eps1);
+  for (int64_t k = threadIdx.x; k < n; k += kThreads) s += __ldcg(xs + k);
+  return block_sum_all(s);
+}
+
+// One parameter's tile: where it is and the step's scalars for its parameter.
+struct AfTile {
+  int64_t k, local, b, r0, r1, bands;
+  const int64_t* row;
+  const int64_t* info;
+  double t;
+  float w2;
+};
+
+__device__ __forceinline__ AfTile af_tile(const int64_t* table, const int64_t* info, int64_t count, const StepArgs& a,
+                                          const AfCudaHyper& h, int64_t x, int col) {
+  AfTile tl;
+  tl.k = af_find(info, count, x, col);
+  tl.row = table + tl.k * kAfCols;
+  tl.info = info + tl.k * kAfInfo;
+  tl.local = x - tl.info[col];
+  tl.t = next_step(read_scalar(scalar_at(a.steps, a.step_code, tl.k), a.step_code));
+  tl.w2 = float(pow(tl.t, h.beta2_decay));
+  const AfCudaShape s(tl.row);
+  const int64_t band = tl.info[1];
+  tl.bands = s.factored ? (s.R + band - 1) / band : 0;
+  tl.b = tl.r0 = tl.r1 = 0;
+  if (col == 0 && s.factored) {
+    tl.b = tl.local / tl.bands;
+    tl.r0 = (tl.local % tl.bands) * band;
+    tl.r1 = min(s.R, tl.r0 + band);
+  } else if (col == 0) {
+    tl.r0 = tl.local * band;  // a vector's span of elements
+    tl.r1 = min(tl.row[2], tl.r0 + band);
+  }
+  return tl;
+}
+
+// max(mean of matrix b's new row factors, eps1), from its bands' sums in band order, in every thread.
+__device__ __forceinline__ float af_rmean(const double* rowsums, const AfTile& tl, int64_t R, float eps1) {
+  const double s = af_sum_l2(rowsums + tl.info[0] + tl.b * tl.bands, tl.bands);
+  return af_clamp_min(__fdiv_rn(float(s), float(R)), eps1);
 }
 
 template <typename G, typename P, int kFmt>
 __global__ void __launch_bounds__(kThreads) adafactor_kernel(const int64_t* table, StepArgs a, AfCudaHyper h) {
   __shared__ Prologue pro;
   step_prologue(a, h.max_norm, &pro);
-  if (pro.skip) return;
-  const int64_t* row = table + int64_t(blockIdx.x) * kAfCols;
-  const int64_t n = row[2];
-  if (n == kNoGrad) return;
-  const AfElems<G, P, kFmt> e{reinterpret_cast<P*>(uintptr_t(row[0])), reinterpret_cast<const G*>(uintptr_t(row[1])),
-                              a.master, row[3], pro.coef, h.maximize};
-  const AfCudaShape s(row);
-  float* f = h.factors + row[4];
-  void* step_at = scalar_at(a.steps, a.step_code, blockIdx.x);
-  const double t = next_step(read_scalar(step_at, a.step_code));
-  const double lr = read_scalar(a.lr, a.lr_code);
-  const float w2 = float(pow(t, h.beta2_decay));
-  const double rho = fmin(lr, 1.0 / sqrt(t));
-  const float decay = float(1.0 - lr * h.weight_decay);
+  if (pro.skip) return;  // every block returns: no barrier is reached
+  cooperative_groups::grid_group grid = cooperative_groups::this_grid();
+  const int64_t count = a.count;
+  const int64_t* info = table + count * kAfCols;
+  double* colparts = h.scratch;
+  double* wsums = h.scratch + h.num_colparts;
+  double* rowsums = wsums + h.num_tiles;
+  double* usums = rowsums + h.num_tiles;
   const float eps1 = float(h.eps1);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  double w_sumsq = 0.0, u_sumsq = 0.0;
-  const int64_t B = s.B, R = s.R, C = s.C;
-  float* rows = f;
-  float* cols = f + B * R;
-  if (s.factored) {
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t base = s.base(b);
-      for (int64_t r = warp; r < R; r += kWarpsAf) {  // 1. rows: a warp per row
+
+  // 1. rows, column partial sums, w*w; a vector's variance and u*u
+  for (int64_t x = blockIdx.x; x < h.num_tiles; x += gridDim.x) {
+    const AfTile tl = af_tile(table, info, count, a, h, x, 0);
+    const AfElems<G, P, kFmt> e{reinterpret_cast<P*>(uintptr_t(tl.row[0])),
+                                reinterpret_cast<const G*>(uintptr_t(tl.row[1])), a.master, tl.row[3], pro.coef,
+                                h.maximize};
+    const AfCudaShape s(tl.row);
+    float* f = h.factors + tl.row[4];
+    double w_sumsq = 0.0, u_sumsq = 0.0, row_sum = 0.0;
+    if (s.factored) {
+      const int64_t base = s.base(tl.b), C = s.C;
+      float* rows = f + tl.b * s.R;
+      for (int64_t r = tl.r0 + warp; r < tl.r1; r += kWarpsAf) {  // a warp per row
         double gs = 0.0;
         for (int64_t c = lane; c < C; c += 32) {
           const int64_t j = base + r * s.sr + c * s.sc;
@@ -152,69 +210,164 @@ __global__ void __launch_bounds__(kThreads) adafactor_kernel(const int64_t* tabl
           w_sumsq += double(__fmul_rn(wi, wi));
         }
         gs = warp_sum(gs);
-        if (lane == 0) rows[b * R + r] = af_lerp(rows[b * R + r], __fdiv_rn(float(gs), float(C)), w2);
+        if (lane == 0) {
+          const float v = af_lerp(rows[r], __fdiv_rn(float(gs), float(C)), tl.w2);
+          rows[r] = v;
+          row_sum += double(v);
+        }
       }
-      for (int64_t c = threadIdx.x; c < C; c += kThreads) {  // columns: a thread per column
+      double* part = colparts + tl.info[2] + tl.local * C;
+      for (int64_t c = threadIdx.x; c < C; c += kThreads) {  // a thread per column
         double gs = 0.0;
-        for (int64_t r = 0; r < R; ++r) {
+        for (int64_t r = tl.r0; r < tl.r1; ++r) {
           const float gi = e.g(base + r * s.sr + c * s.sc);
           gs += double(__fmul_rn(gi, gi));
         }
-        cols[b * C + c] = af_lerp(cols[b * C + c], __fdiv_rn(float(gs), float(R)), w2);
+        part[c] = gs;
+      }
+    } else {
+      for (int64_t j = tl.r0 + threadIdx.x; j < tl.r1; j += kThreads) {
+        const float gi = e.g(j), wi = e.w(j);
+        const float var = af_lerp(f[j], __fmul_rn(gi, gi), tl.w2);
+        f[j] = var;
+        const float u = __fdiv_rn(gi, __fsqrt_rn(af_clamp_min(var, h.eps1_sq)));
+        w_sumsq += double(__fmul_rn(wi, wi));
+        u_sumsq += double(__fmul_rn(u, u));
       }
     }
-    __syncthreads();
-    for (int64_t b = 0; b < B; ++b) {  // 2. the update's sum of squares
-      const int64_t base = s.base(b);
-      const float rm = af_rmean(rows + b * R, R, eps1);
-      for (int64_t r = warp; r < R; r += kWarpsAf) {
-        for (int64_t c = lane; c < C; c += 32) {
-          const float v = af_clamp_min(__fdiv_rn(__fmul_rn(rows[b * R + r], cols[b * C + c]), rm), h.eps1_sq);
-          const float u = __fdiv_rn(e.g(base + r * s.sr + c * s.sc), __fsqrt_rn(v));
-          u_sumsq += double(__fmul_rn(u, u));
-        }
-      }
-    }
-  } else {
-    for (int64_t j = threadIdx.x; j < n; j += kThreads) {
-      const float gi = e.g(j), wi = e.w(j);
-      const float var = af_lerp(f[j], __fmul_rn(gi, gi), w2);
-      f[j] = var;
-      const float u = __fdiv_rn(gi, __fsqrt_rn(af_clamp_min(var, h.eps1_sq)));
-      w_sumsq += double(__fmul_rn(wi, wi));
-      u_sumsq += double(__fmul_rn(u, u));
+    w_sumsq = block_sum_all(w_sumsq);
+    u_sumsq = block_sum_all(u_sumsq);
+    row_sum = block_sum_all(row_sum);
+    if (threadIdx.x == 0) {
+      wsums[x] = w_sumsq;
+      usums[x] = u_sumsq;  // a matrix's is written in pass 3
+      rowsums[x] = row_sum;
     }
   }
-  w_sumsq = block_sum_all(w_sumsq);
-  u_sumsq = block_sum_all(u_sumsq);
-  const double root_n = sqrt(double(n));
-  const double alpha = af_max(double(__fsqrt_rn(float(w_sumsq))) / root_n, h.eps2) * rho;
-  const float step = float(alpha / af_max(double(__fsqrt_rn(float(u_sumsq))) / (root_n * h.d), 1.0));
+  grid.sync();
+
+  // 2. the column factors: a thread per column, the bands' partial sums in band order
+  for (int64_t x = blockIdx.x; x < h.num_items; x += gridDim.x) {
+    const AfTile tl = af_tile(table, info, count, a, h, x, 3);
+    const AfCudaShape s(tl.row);
+    const int64_t chunks = (s.C + h.col_chunk - 1) / h.col_chunk;
+    const int64_t b = tl.local / chunks, c0 = (tl.local % chunks) * h.col_chunk;
+    const int64_t c1 = min(s.C, c0 + h.col_chunk);
+    const double* part = colparts + tl.info[2] + b * tl.bands * s.C;
+    float* cols = h.factors + tl.row[4] + s.B * s.R + b * s.C;
+    for (int64_t c = c0 + threadIdx.x; c < c1; c += kThreads) {
+      double gs = 0.0;
+      for (int64_t k = 0; k < tl.bands; ++k) gs += __ldcg(part + k * s.C + c);
+      cols[c] = af_lerp(cols[c], __fdiv_rn(float(gs), float(s.R)), tl.w2);
+    }
+  }
+  grid.sync();
+
+  // 3. a band's sum of u*u from the new factors
+  for (int64_t x = blockIdx.x; x < h.num_tiles; x += gridDim.x) {
+    const AfTile tl = af_tile(table, info, count, a, h, x, 0);
+    const AfCudaShape s(tl.row);
+    if (!s.factored) continue;  // uniform in the block: a vector's sum is from pass 1
+    const AfElems<G, P, kFmt> e{reinterpret_cast<P*>(uintptr_t(tl.row[0])),
+                                reinterpret_cast<const G*>(uintptr_t(tl.row[1])), a.master, tl.row[3], pro.coef,
+                                h.maximize};
+    const float* rows = h.factors + tl.row[4] + tl.b * s.R;
+    const float* cols = h.factors + tl.row[4] + s.B * s.R + tl.b * s.C;
+    const float rm = af_rmean(rowsums, tl, s.R, eps1);
+    const int64_t base = s.base(tl.b);
+    double u_sumsq = 0.0;
+    for (int64_t r = tl.r0 + warp; r < tl.r1; r += kWarpsAf) {
+      const float rv = __ldcg(rows + r);
+      for (int64_t c = lane; c < s.C; c += 32) {
+        const float v = af_clamp_min(__fdiv_rn(__fmul_rn(rv, __ldcg(cols + c)), rm), h.eps1_sq);
+        const float u = __fdiv_rn(e.g(base + r * s.sr + c * s.sc), __fsqrt_rn(v));
+        u_sumsq += double(__fmul_rn(u, u));
+      }
+    }
+    u_sumsq = block_sum_all(u_sumsq);
+    if (threadIdx.x == 0) usums[x] = u_sumsq;
+  }
+  grid.sync();
+
+  // 4. the step size of the tile's parameter and its weights
+  const double lr = read_scalar(a.lr, a.lr_code);
+  const float decay = float(1.0 - lr * h.weight_decay);
   const bool decays = h.weight_decay != 0.0;
-  const uint32_t key = kFmt == kMasterNone ? stream_key(uint64_t(*a.seed), key_step(t), kStreamWeight) : 0u;
-  if (s.factored) {  // 3. the weights
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t base = s.base(b);
-      const float rm = af_rmean(rows + b * R, R, eps1);
-      for (int64_t r = warp; r < R; r += kWarpsAf) {
-        for (int64_t c = lane; c < C; c += 32) {
+  for (int64_t x = blockIdx.x; x < h.num_tiles; x += gridDim.x) {
+    const AfTile tl = af_tile(table, info, count, a, h, x, 0);
+    const AfCudaShape s(tl.row);
+    const AfElems<G, P, kFmt> e{reinterpret_cast<P*>(uintptr_t(tl.row[0])),
+                                reinterpret_cast<const G*>(uintptr_t(tl.row[1])), a.master, tl.row[3], pro.coef,
+                                h.maximize};
+    const int64_t n = tl.row[2];
+    const int64_t ntiles = tl.info[kAfInfo] - tl.info[0];
+    const double w_sumsq = af_sum_l2(wsums + tl.info[0], ntiles);
+    const double u_sumsq = af_sum_l2(usums + tl.info[0], ntiles);
+    const double rho = fmin(lr, 1.0 / sqrt(tl.t));
+    const double root_n = sqrt(double(n));
+    const double alpha = af_max(double(__fsqrt_rn(float(w_sumsq))) / root_n, h.eps2) * rho;
+    const float step = float(alpha / af_max(double(__fsqrt_rn(float(u_sumsq))) / (root_n * h.d), 1.0));
+    const uint32_t key = kFmt == kMasterNone ? stream_key(uint64_t(*a.seed), key_step(tl.t), kStreamWeight) : 0u;
+    float* f = h.factors + tl.row[4];
+    if (s.factored) {
+      const float* rows = f + tl.b * s.R;
+      const float* cols = f + s.B * s.R + tl.b * s.C;
+      const float rm = af_rmean(rowsums, tl, s.R, eps1);
+      const int64_t base = s.base(tl.b);
+      for (int64_t r = tl.r0 + warp; r < tl.r1; r += kWarpsAf) {
+        const float rv = __ldcg(rows + r);
+        for (int64_t c = lane; c < s.C; c += 32) {
           const int64_t j = base + r * s.sr + c * s.sc;
-          const float v = af_clamp_min(__fdiv_rn(__fmul_rn(rows[b * R + r], cols[b * C + c]), rm), h.eps1_sq);
+          const float v = af_clamp_min(__fdiv_rn(__fmul_rn(rv, __ldcg(cols + c)), rm), h.eps1_sq);
           const float u = __fdiv_rn(e.g(j), __fsqrt_rn(v));
           const float wi = e.w(j);
           e.store(j, __fsub_rn(decays ? __fmul_rn(wi, decay) : wi, __fmul_rn(step, u)), key);
         }
       }
-    }
-  } else {
-    for (int64_t j = threadIdx.x; j < n; j += kThreads) {
-      const float u = __fdiv_rn(e.g(j), __fsqrt_rn(af_clamp_min(f[j], h.eps1_sq)));
-      const float wi = e.w(j);
-      e.store(j, __fsub_rn(decays ? __fmul_rn(wi, decay) : wi, __fmul_rn(step, u)), key);
+    } else {
+      for (int64_t j = tl.r0 + threadIdx.x; j < tl.r1; j += kThreads) {
+        const float u = __fdiv_rn(e.g(j), __fsqrt_rn(af_clamp_min(__ldcg(f + j), h.eps1_sq)));
+        const float wi = e.w(j);
+        e.store(j, __fsub_rn(decays ? __fmul_rn(wi, decay) : wi, __fmul_rn(step, u)), key);
+      }
     }
   }
-  __syncthreads();  // every thread read the step count (for t) before it changes
-  if (threadIdx.x == 0) add_one(step_at, a.step_code);
+  grid.sync();  // every block read the step counts it needed
+  if (blockIdx.x == 0) {
+    for (int64_t k = threadIdx.x; k < count; k += kThreads) {
+      if (table[k * kAfCols + 2] != kNoGrad) add_one(scalar_at(a.steps, a.step_code, k), a.step_code);
+    }
+  }
+}
+
+// Blocks of adafactor_kernel<G, P, kFmt> that fit on the device at once (cached per device): the cooperative
+// launch's grid at most.
+template <typename G, typename P, int kFmt>
+int64_t af_resident(int device) {
+  static int64_t cached[64] = {};
+  if (device < 0 || device >= 64) return sm_count(device);
+  if (!cached[device]) {
+    int per_sm = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, adafactor_kernel<G, P, kFmt>, kThreads, 0) !=
+            cudaSuccess || per_sm < 1) {
+      cudaGetLastError();
+      per_sm = 1;
+    }
+    cached[device] = int64_t(per_sm) * sm_count(device);
+  }
+  return cached[device];
+}
+
+template <typename G, typename P, int kFmt>
+cudaError_t af_launch(int device, cudaStream_t st, const int64_t* table, const StepArgs& a, const AfCudaHyper& h) {
+  const int64_t want = std::max(h.num_tiles, h.num_items);
+  const int grid = int(std::max<int64_t>(1, std::min(want, af_resident<G, P, kFmt>(device))));
+  const int64_t* t = table;
+  StepArgs args = a;
+  AfCudaHyper hyper = h;
+  void* params[] = {&t, &args, &hyper};
+  return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(adafactor_kernel<G, P, kFmt>), dim3(grid),
+                                     dim3(kThreads), params, 0, st);
 }
 
 template <typename F>
@@ -234,22 +387,42 @@ std::string adafactor_step(int device, uintptr_t stream, const int64_t* table, c
   const std::string dev = use_device(device);
   if (!dev.empty()) return dev;
   const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  cudaError_t e = cudaSuccess;
   af_with_type(a.grad_dtype, [&](auto gtag) {
     af_with_type(a.param_dtype, [&](auto ptag) {
       using G = decltype(gtag);
       using P = decltype(ptag);
-      const dim3 grid(unsigned(a.count));
       if (a.master_format == kMasterRemainder) {
-        adafactor_kernel<G, P, kMasterRemainder><<<grid, kThreads, 0, st>>>(table, a, h);
+        e = af_launch<G, P, kMasterRemainder>(device, st, table, a, h);
       } else if (a.master_format == kMasterNone) {
-        adafactor_kernel<G, P, kMasterNone><<<grid, kThreads, 0, st>>>(table, a, h);
+        e = af_launch<G, P, kMasterNone>(device, st, table, a, h);
       } else {
-        adafactor_kernel<G, P, kMasterF32><<<grid, kThreads, 0, st>>>(table, a, h);
+        e = af_launch<G, P, kMasterF32>(device, st, table, a, h);
       }
     });
   });
+  return e == cudaSuccess ? "" : cuda_error("adafactor_step cooperative launch", e);
+}
+
+// Loads every Adafactor kernel on `device` and caches its occupancy (see prepare_norm).
+std::string prepare_adafactor(int device) {
+  const std::string dev = use_device(device);
+  if (!dev.empty()) return dev;
+  for (int g : {int(kF32), int(kBF16), int(kF16)}) {
+    for (int p : {int(kF32), int(kBF16), int(kF16)}) {
+      af_with_type(g, [&](auto gtag) {
+        af_with_type(p, [&](auto ptag) {
+          using G = decltype(gtag);
+          using P = decltype(ptag);
+          af_resident<G, P, kMasterF32>(device);
+          af_resident<G, P, kMasterRemainder>(device);
+          af_resident<G, P, kMasterNone>(device);
+        });
+      });
+    }
+  }
   const cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? "" : cuda_error("adafactor_step launch", e);
+  return e == cudaSuccess ? std::string() : cuda_error("loading the Adafactor kernels", e);
 }
 
 }  // namespace cuda

@@ -201,6 +201,7 @@ std::string prepare_norm(int device);
 std::string prepare_adam(int device);
 std::string prepare_sgd(int device);
 std::string prepare_lion(int device);
+std::string prepare_adafactor(int device);
 
 }  // namespace cuda
 }  // namespace ampfused

@@ -98,17 +98,22 @@ std::string update_scale(int device, uintptr_t stream, float* scale, int32_t* gr
                          double growth_factor, double backoff_factor, int64_t growth_interval, float* inv_scale,
                          int64_t* skipped);
 
-// ---- Adafactor (adafactor.cu): one block per parameter, its table in device memory ------------------------
+// ---- Adafactor (adafactor.cu): one cooperative launch over tiles of every parameter -----------------------
 // A table row (ampfused/ops/native_adafactor.py, as the CPU module's): param, grad, numel (kNoGrad without a
-// gradient), offset in master, offset in factors, ndim, kAfMaxDims sizes, kAfMaxDims strides (elements).
+// gradient), offset in master, offset in factors, ndim, kAfMaxDims sizes, kAfMaxDims strides (elements). After
+// the count rows, count + 1 rows of kAfInfo (native_adafactor.tiles): first tile, rows per band of a matrix
+// (elements per span of a vector), offset of its column partial sums in scratch, first column item.
 constexpr int kAfMaxDims = 8;
 constexpr int kAfCols = 6 + 2 * kAfMaxDims;
+constexpr int kAfInfo = 4;
 
 struct AfCudaHyper {
   double beta2_decay, eps1, eps2, d, weight_decay, max_norm;
   float eps1_sq;
   bool maximize;
   float* factors;  // fp32, factor_layout of the parameters' shapes
+  int64_t num_tiles, num_items, num_colparts, col_chunk;
+  double* scratch;  // num_colparts column partial sums, then per tile: w*w, new row factors, u*u
 };
 
 // args.table is unused (the Adafactor table is `table`); args.count its rows.

@@ -142,17 +142,23 @@ void lion_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, 
   check(cuda::lion_step(device, stream, a, w, h, addr<int32_t>(counter), single_launch));
 }
 
-// Adafactor (adafactor.cu): `table` the device address of its rows (kAfCols int64 each).
+// Adafactor (adafactor.cu): `table` the device address of its rows (kAfCols int64 each), then its tile layout
+// (count + 1 rows of kAfInfo: ampfused/ops/native_adafactor.py, tiles); `scratch` fp64, num_colparts + 3 * num_tiles.
 void adafactor_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
                     uintptr_t factors, uintptr_t steps, int step_code, uintptr_t partials, int64_t P,
                     uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double beta2_decay,
                     double eps1, double eps2, double d, double weight_decay, double max_norm, bool maximize,
-                    int device, uintptr_t stream, int master_format, uintptr_t seed) {
+                    int device, uintptr_t stream, int master_format, uintptr_t seed, int64_t num_tiles,
+                    int64_t num_items, int64_t num_colparts, uintptr_t scratch, int64_t col_chunk) {
+  if (num_tiles < 0 || num_items < 0 || num_colparts < 0 || col_chunk < 1) {
+    throw std::invalid_argument("adafactor_step: a negative tile count or a column chunk below 1");
+  }
   const StepArgs a = step_args(0, count, param_dtype, grad_dtype, master, 0, 0, steps, step_code, partials, P,
                                inv_scale, lr, lr_code, out_stats, master_format, 0, seed);
   if (master_format == kMasterNone && seed == 0) throw std::invalid_argument("stochastic rounding needs a seed");
   const cuda::AfCudaHyper h{beta2_decay, eps1, eps2, d, weight_decay, max_norm, float(eps1 * eps1), maximize,
-                            addr<float>(factors)};
+                            addr<float>(factors), num_tiles, num_items, num_colparts, col_chunk,
+                            addr<double>(scratch)};
   check(cuda::adafactor_step(device, stream, addr<const int64_t>(table), a, h));
 }
 
@@ -220,6 +226,7 @@ PYBIND11_MODULE(_C_cuda, m) {
         py::arg("state_dtype") = 0, py::arg("seed") = uintptr_t(0), py::arg("state_scales") = uintptr_t(0),
         py::arg("scale_blocks") = int64_t(0));
   m.attr("AF_COLS") = cuda::kAfCols;
+  m.attr("AF_INFO") = cuda::kAfInfo;
   m.def("adafactor_step", &adafactor_step);
   m.def("update_scale", &update_scale_op);
 }

@@ -107,7 +107,7 @@ std::string prepare_norm(int device) {
 }
 
 std::string prepare(int device) {
-  for (auto f : {prepare_norm, prepare_adam, prepare_sgd, prepare_lion}) {
+  for (auto f : {prepare_norm, prepare_adam, prepare_sgd, prepare_lion, prepare_adafactor}) {
     const std::string err = f(device);
     if (!err.empty()) return err;
   }
