@@ -83,9 +83,10 @@ def _part_stages(part):
 
 
 def test_each_part_fits_its_budget_and_the_parts_cover_every_stage():
-    """Two parts of at most 300 s: both and a rerun of one fit a 15-minute window with the machine's start."""
+    """Three parts of at most 300 s, the first holding the whole build: all three fit a 15-minute window with the
+    machine's start."""
     assert gpu_check.DEFAULT_BUDGET <= 575
-    assert sorted(PARTS) == ["kernels", "rest"]
+    assert sorted(PARTS) == ["kernels", "probes", "rest"]
     covered = set()
     for name, part in PARTS.items():
         stages = _part_stages(part)

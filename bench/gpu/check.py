@@ -70,12 +70,12 @@ class Stage:
 
 STAGES: List[Stage] = [
     Stage("env", "versions, the device, its free memory", 15, False),
-    Stage("build", "setup.py build_ext --inplace (incremental), then pip install -e . of the Python package", 45,
+    Stage("build", "setup.py build_ext --inplace (incremental), then pip install -e . of the Python package", 120,
           False),
     Stage("info", "python -m ampfused.info", 15, False),
     Stage("suite-gpu", "pytest -m gpu: the GPU-marked tests", 80, True, ("suite",)),
     Stage("suite-rest", "pytest -m 'not gpu': the rest of the suite", 125, False, ("suite",)),
-    Stage("no-wait", "pytest tests/test_gpu_nowait.py: a device sleep queued before each step outlasts it", 30, True,
+    Stage("no-wait", "pytest tests/test_gpu_nowait.py: a device sleep queued before each step outlasts it", 45, True,
           ("probes",)),
     Stage("sanitizer-memcheck", "compute-sanitizer memcheck over the op workload", 40, True, ("sanitizer",)),
     Stage("sanitizer-racecheck", "compute-sanitizer racecheck over the op workload", 40, True, ("sanitizer",)),
