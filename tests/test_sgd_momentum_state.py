@@ -161,3 +161,58 @@ def test_torch_state_dict_without_momentum_matches_torch():
     assert opt.state_dict()["state"] == topt.state_dict()["state"] == {}
     opt.load_state_dict(topt.state_dict())
     topt.load_state_dict(opt.state_dict())
+
+
+def _compiled_run(fullgraph: bool, momenta, eager_after_switch: bool = False):
+    """FusedSGD stepped by ``torch.compile(opt.step)`` and an eager twin, the group's momentum set to ``momenta[k]``
+    before step k; returns the two parameter lists and the errors the compiled steps raised (by step)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (10, 33)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = ampfused.FusedSGD(params, lr=0.1, momentum=momenta[0], backend="cpu")
+    ref = ampfused.FusedSGD(twins, lr=0.1, momentum=momenta[0], backend="cpu")
+    opt.state_dict()  # the optimizer sees its parameters eagerly before compiling
+    step = torch.compile(opt.step, fullgraph=fullgraph)
+    errors = {}
+    for k, m in enumerate(momenta):
+        for p, q in zip(params, twins):
+            g = torch.randn_like(p)
+            set_grad(p, g.clone())
+            set_grad(q, g.clone())
+        switched = m != opt.param_groups[0]["momentum"]
+        for o in (opt, ref):
+            o.param_groups[0]["momentum"] = m
+        try:
+            step()
+        except Exception as e:  # the compiled step raised before writing anything
+            errors[k] = str(e)
+            if not eager_after_switch or not switched:
+                raise
+            opt.step()
+        ref.step()
+    torch._dynamo.reset()
+    return params, twins, errors
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_momentum_changed_between_compiled_steps(fullgraph):
+    """A schedule that changes momentum between compiled steps (as OneCycleLR's cycle_momentum does): the compiled
+    steps equal the eager ones bit for bit (the checks of a changed value are traceable)."""
+    params, twins, errors = _compiled_run(fullgraph, [0.5, 0.5, 0.8, 0.85, 0.9])
+    assert not errors
+    for p, q in zip(params, twins):
+        assert_bitwise("compiled vs eager", p.detach(), q.detach())
+
+
+def test_momentum_switched_on_under_compile():
+    """Switched on between compiled steps: without fullgraph the step falls back to eager there and makes the
+    buffer; with fullgraph it raises, saying what to do, writes nothing, and after one eager step the compiled
+    steps go on. Either way the run equals the eager one bit for bit."""
+    params, twins, errors = _compiled_run(False, [0.0, 0.0, 0.9, 0.9])
+    assert not errors
+    for p, q in zip(params, twins):
+        assert_bitwise("compiled vs eager", p.detach(), q.detach())
+    params, twins, errors = _compiled_run(True, [0.0, 0.0, 0.9, 0.9], eager_after_switch=True)
+    assert list(errors) == [2] and "run one eager step() after the change" in errors[2], errors
+    for p, q in zip(params, twins):
+        assert_bitwise("compiled vs eager", p.detach(), q.detach())

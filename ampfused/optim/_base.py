@@ -158,6 +158,14 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         if torch.compiler.is_compiling():  # traced once per compilation: every group checked, nothing remembered
             for gi, group in enumerate(self.param_groups):
                 self._validate_group(group, f" in param_groups[{gi}]")
+                needed = self._state_names_for(group)
+                missing = sorted({name for seg in self._segments if seg.group_index == gi for name in needed
+                                  if name not in seg.states})
+                if missing:  # an eager step makes it (the segments are rebuilt, carrying their state)
+                    raise RuntimeError(
+                        f"param_groups[{gi}] now needs optimizer state it does not hold yet ({', '.join(missing)}: "
+                        f"a hyperparameter such as momentum was switched on), which a compiled step cannot make: "
+                        f"run one eager step() after the change, then the compiled one")
             return
         checked = self.__dict__.get("_checked_hyper")
         if checked is None:

@@ -75,6 +75,12 @@ def _is_number(v) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float))
 
 
+def _finite(v) -> bool:
+    """Neither inf nor NaN, by arithmetic alone: a hyperparameter that changes between compiled steps reaches the
+    step's checks as a symbolic float under torch.compile, which ``math.isinf`` refuses."""
+    return v - v == 0  # inf - inf and NaN - NaN are NaN
+
+
 def check_lr(lr, where: str = "") -> None:
     """torch.optim's rule (a number >= 0, or a 1-element tensor), NaN refused too. A tensor's value is read
     only here, at construction or when a group is added or loaded, never in a step."""
@@ -105,7 +111,7 @@ def check_step_lr(lr, where: str = "") -> None:
 def check_max_grad_norm(v, where: str = "") -> None:
     if v is None:
         return
-    if not _is_number(v) or not v > 0 or math.isinf(v):
+    if not _is_number(v) or not v > 0 or not _finite(v):
         raise ValueError(f"Invalid max_grad_norm: {v}{where} (must be a positive finite number or None)")
 
 
@@ -186,14 +192,14 @@ def check_impl_flags(foreach, fused, differentiable) -> None:
 
 
 def check_weight_decay(wd, where: str = "") -> None:
-    if not _is_number(wd) or not 0.0 <= wd or math.isinf(wd):
+    if not _is_number(wd) or not 0.0 <= wd or not _finite(wd):
         raise ValueError(f"Invalid weight_decay value: {wd}{where}")
 
 
 def check_momentum(momentum, dampening, nesterov, where: str = "") -> None:
-    if not _is_number(momentum) or not 0.0 <= momentum or math.isinf(momentum):
+    if not _is_number(momentum) or not 0.0 <= momentum or not _finite(momentum):
         raise ValueError(f"Invalid momentum value: {momentum}{where}")
-    if not _is_number(dampening) or math.isnan(dampening) or math.isinf(dampening):
+    if not _is_number(dampening) or not _finite(dampening):
         raise ValueError(f"Invalid dampening value: {dampening}{where}")
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(f"Nesterov momentum requires a momentum and zero dampening{where}")
