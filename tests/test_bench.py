@@ -180,6 +180,21 @@ def test_a_wrong_variant_stops_the_benchmark_loudly(tmp_path, monkeypatch, capsy
     assert not (tmp_path / "t.csv").exists()  # nothing is written from a run with a wrong variant
 
 
+def test_each_configuration_is_kept_as_it_ends(tmp_path, capsys):
+    """A run stopped part-way (a GPU command's time limit) keeps what it measured: the CSV is rewritten after each
+    configuration with every row so far, and each row is printed as its configuration ends."""
+    from bench.step import runner
+    seen = []
+    opts = runner.Options(reps=2, warmup=0, yardstick=None)
+    out = runner.run([_instance(name="2000x5"), _instance(name="3001x7")], [TorchFused()], {}, opts,
+                     done=lambda rows: seen.append([r["workload"] for r in rows]))
+    assert seen == [["2000x5"], ["2000x5", "3001x7"]] and len(out.rows) == 2
+    assert cli.main(_argv(tmp_path, "torch-fused")) == 0
+    printed = capsys.readouterr().out
+    assert "  2000x5 torch-fused: " in printed and "  30000x3 torch-fused: " in printed
+    assert len((tmp_path / "t.csv").read_text().splitlines()) == 3
+
+
 def test_byte_model():
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     assert minimal_bytes_per_param(bf16, bf16, True) == 28  # design: single-launch = 28 B/param from DRAM

@@ -226,12 +226,23 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
         from tqdm import tqdm
         bar = tqdm(total=len(instances) * len(variants) * opts.rounds, unit="run", dynamic_ncols=True,
                    file=sys.stderr)
+    os.makedirs(args.out, exist_ok=True)
+    written = [0]
+
+    def done(rows):  # each configuration's rows as it ends: a run stopped part-way keeps them
+        for r in rows[written[0]:]:
+            print(f"  {r['workload']} {r['variant']}: {r['median_ms']} ms ({r['pct_of_copy_bw']}% of copy)",
+                  flush=True)
+        written[0] = len(rows)
+        report.write_csv(rows, csv_path)
+
     try:
-        outcome = run(instances, variants, env, opts, progress=bar)
+        outcome = run(instances, variants, env, opts, progress=bar, done=done)
     except CorrectnessError as e:
         if bar is not None:
             bar.close()
-        print(f"\nbenchmark stopped: {e}\nnothing was written; a wrong variant is never timed.", file=sys.stderr)
+        kept = (f"the configurations measured before it are in {csv_path}" if written[0] else "nothing was written")
+        print(f"\nbenchmark stopped: {e}\n{kept}; a wrong variant is never timed.", file=sys.stderr)
         return 1
     if bar is not None:
         bar.close()

@@ -105,11 +105,13 @@ def _bandwidth_columns(inst: Instance, v: Variant, timing: measure.Timing, bw: m
                 pct_of_rmw_bw=f"{bw.pct('rmw', nbytes, timing):.4g}")
 
 
-def run(instances: List[Instance], variants: List[Variant], env: dict, opts: Options, progress=None) -> Outcome:
+def run(instances: List[Instance], variants: List[Variant], env: dict, opts: Options, progress=None,
+        done=None) -> Outcome:
     """Measure every variant on every instance. ``progress``: a tqdm-like object (``update``, ``write``,
     ``set_postfix_str``) or None. Rows get their bandwidth columns from ``opts.yardstick``, measured with their
     own timing (n/a without one). Raises :class:`CorrectnessError` on the first wrong variant unless
-    ``opts.keep_going``."""
+    ``opts.keep_going``. ``done(rows)``, if given, is called after each instance with every row so far (a run
+    stopped part-way keeps what it measured)."""
     rows: List[dict] = []
     notes: List[str] = []
     failures: List[str] = []
@@ -171,6 +173,9 @@ def run(instances: List[Instance], variants: List[Variant], env: dict, opts: Opt
                 rows.append(measured[v.name].row(env, v.instance_for(inst), v))
         del params, plan, expected, own
         _free(inst.device)
+        if done is not None:
+            fill_speedups(rows)
+            done(rows)
     fill_speedups(rows)
     return Outcome(rows, notes, failures)
 
