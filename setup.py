@@ -331,8 +331,8 @@ def native_extensions():
         # static cudart, kept private to this module (no symbol clash with torch's libcudart)
         cuda_link = [f"-L{libdir}", "-lcudart_static", "-ldl", "-lrt", "-lpthread",
                      "-Wl,--exclude-libs,ALL", "-Wl,-Bsymbolic"]
-        cuda_sources = ["csrc/cuda/module.cpp", "csrc/cuda/norm.cu", "csrc/cuda/adam.cu", "csrc/cuda/sgd.cu",
-                        "csrc/cuda/lion.cu", "csrc/cuda/adafactor.cu"]
+        cuda_sources = ["csrc/cuda/module.cpp", "csrc/cuda/norm.cu", "csrc/cuda/adam.cu", "csrc/cuda/adam_bf16m.cu",
+                        "csrc/cuda/adam_q8m.cu", "csrc/cuda/sgd.cu", "csrc/cuda/lion.cu", "csrc/cuda/adafactor.cu"]
         exts.append(NativeExtension("ampfused._C_cuda", cuda_sources, nvcc=nvcc, nvcc_flags=nvcc_flags,
                                     cxx_flags=flags, link_flags=cuda_link,
                                     per_source={"module.cpp": cuda_identity}))

@@ -6,7 +6,7 @@ elements per trip of the element loop, instructions per element, the budget (``b
 memory instructions per element (with their widths), the bytes those move per element against the byte model,
 ``MUFU`` (and its own budget), barriers and shuffles. docs/state-precision.md keeps the table.
 
-    python -m bench.sass                      # compile csrc/cuda/{adam,sgd,lion}.cu for sm_90 (~2 min)
+    python -m bench.sass                      # compile csrc/cuda/{adam,adam_bf16m,adam_q8m,sgd,lion}.cu for sm_90 (~2 min)
     python -m bench.sass --module             # the sm_90 code of the built ampfused/_C_cuda
     python -m bench.sass --sass listing.sass  # a saved cuobjdump -sass listing
     python -m bench.sass --triton             # the Triton kernels too (compiled for sm_90 without a GPU)

@@ -32,7 +32,8 @@ from . import modes as M
 from . import parse as P
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SOURCES = {"adam": "csrc/cuda/adam.cu", "sgd": "csrc/cuda/sgd.cu", "lion": "csrc/cuda/lion.cu"}
+SOURCES = {"adam": ("csrc/cuda/adam.cu", "csrc/cuda/adam_bf16m.cu", "csrc/cuda/adam_q8m.cu"),
+           "sgd": ("csrc/cuda/sgd.cu",), "lion": ("csrc/cuda/lion.cu",)}
 FLAGS = ["-O3", "-std=c++17", "--fmad=false", "-DNDEBUG", "-arch=sm_90", "-cubin"]
 
 # step_kernel<bf16_t, bf16_t, XOp, kFmt, S>: S is f (float), h (uint8_t) or S2_ (bf16_t, a back-reference)
@@ -79,13 +80,14 @@ def compile_sources(ops=("adam", "sgd", "lion"), nvcc: Optional[str] = None) -> 
     texts = []
     with tempfile.TemporaryDirectory() as d:
         for op in ops:
-            cubin = os.path.join(d, op + ".cubin")
-            cmd = [nvcc] + FLAGS + [f"-I{os.path.join(ROOT, 'csrc', 'include')}", "-o", cubin,
-                                    os.path.join(ROOT, SOURCES[op])]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr}")
-            texts.append(disassemble(cubin))
+            for src in SOURCES[op]:
+                cubin = os.path.join(d, os.path.basename(src) + ".cubin")
+                cmd = [nvcc] + FLAGS + [f"-I{os.path.join(ROOT, 'csrc', 'include')}", "-o", cubin,
+                                        os.path.join(ROOT, src)]
+                out = subprocess.run(cmd, capture_output=True, text=True)
+                if out.returncode != 0:
+                    raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr}")
+                texts.append(disassemble(cubin))
     return "\n".join(texts)
 
 

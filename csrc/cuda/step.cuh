@@ -216,7 +216,24 @@ void with_state(int code, F&& f) {
   }
 }
 
-template <typename Op>
+// Which moment storage one translation unit instantiates (a file each builds in parallel: adam.cu, adam_bf16m.cu
+// and adam_q8m.cu), or all of them.
+enum StateSet : int { kAllStates = 0, kFp32States = 1, kBf16States = 2, kU8States = 3 };
+
+template <int kSet, typename F>
+void with_state_in(int code, F&& f) {
+  if constexpr (kSet == kFp32States) {
+    f(float{});
+  } else if constexpr (kSet == kBf16States) {
+    f(bf16_t{});
+  } else if constexpr (kSet == kU8States) {
+    f(uint8_t{});
+  } else {
+    with_state(code, f);
+  }
+}
+
+template <typename Op, int kSet = kAllStates>
 std::string launch_step(int device, uintptr_t stream, const StepArgs& a, const WorkList& w,
                         const typename Op::Hyper& h, int32_t* counter, bool single_launch) {
   std::string err = use_device(device);
@@ -224,7 +241,7 @@ std::string launch_step(int device, uintptr_t stream, const StepArgs& a, const W
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   with_type(a.grad_dtype, [&](auto gtag) {
     using G = decltype(gtag);
-    with_state(a.state_dtype, [&](auto stag) {
+    with_state_in<kSet>(a.state_dtype, [&](auto stag) {
       using S = decltype(stag);
       if (a.master_format == kMasterRemainder) {
         err = launch_step_typed<G, bf16_t, Op, kMasterRemainder, S>(device, s, a, w, h, counter, single_launch);
