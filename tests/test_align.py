@@ -107,10 +107,12 @@ def test_modes_run_against_the_fp32_master_run(tmp_path, capsys):
                    for line in printed.splitlines()), name
     with open(tmp_path / "m.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 16 and list(rows[0])[1:] == ["ampfused"] + list(modes.MODES)
+    assert len(rows) == 16 and list(rows[0])[1:] == ["ampfused"] + list(modes.MODES) + ["ampfused+sr~seed1"]
     losses = {n: [float(r[n]) for r in rows] for n in rows[0] if n != "step"}
     assert len({v[0] for v in losses.values()}) == 1  # same initial weights, same first batch
     assert all(v[-1] < v[0] for v in losses.values())  # each learns
+    assert losses["ampfused+sr~seed1"] != losses["ampfused+sr"]  # other rounding draws: the noise floor's twin
+    assert "noise floor: ampfused+sr trained again with seed 1" in printed
     ref = R.window_means(losses["ampfused"], 8)
     fig = modes.window_figures(T.Run("x", losses=losses["ampfused+sr"]), T.Run("y", losses=losses["ampfused"]),
                                align.M.Config(steps=16, window=8))
@@ -142,7 +144,8 @@ def test_modes_of_other_optimizers_run_against_their_own_fp32_run(tmp_path, caps
                    for line in printed.splitlines()), name
     with open(tmp_path / "m.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0])[1:] == [reference] + list(runs)
+    assert list(rows[0])[1:] == [reference] + list(runs) + [modes.CONTROLS[optimizer][1]]
+    assert f"noise floor: {modes.CONTROLS[optimizer][0]} trained again with seed 1" in printed
     losses = {n: [float(r[n]) for r in rows] for n in rows[0] if n != "step"}
     assert len({v[0] for v in losses.values()}) == 1
     assert all(v[-1] < v[0] for v in losses.values())

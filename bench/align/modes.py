@@ -79,6 +79,13 @@ ADAFACTOR_MODES = {  # run -> (FusedAdafactor options, state bytes per bf16 para
     "ampfused-adafactor+rem": (dict(store_param_remainders=True), 2),
     "ampfused-adafactor+sr": (dict(bf16_stochastic_round=True), 0),
 }
+# The noise floor of each optimizer's comparison: its stochastic-rounding mode trained again with another seed (the
+# same math, other rounding draws), compared with the first; not judged, reported beside the modes.
+CONTROLS = {
+    "adamw": ("ampfused+sr", "ampfused+sr~seed1", dict(bf16_stochastic_round=True, seed=1), 8),
+    "lion": ("ampfused-lion+sr", "ampfused-lion+sr~seed1", dict(bf16_stochastic_round=True, seed=1), 4),
+    "adafactor": ("ampfused-adafactor+sr", "ampfused-adafactor+sr~seed1", dict(bf16_stochastic_round=True, seed=1), 0),
+}
 ADAFACTOR_LR = 1e-2  # torch.optim.Adafactor's default relative step size, at the schedule's peak
 LION_PEERS = {  # run -> (module, class, options, state bytes per bf16 parameter): optimi's Lion on bf16 weights
     "optimi-lion": ("optimi", "Lion", dict(kahan_sum=False), 2),
@@ -175,7 +182,9 @@ def register(peers: bool = True, device_type: str = "cpu", optimizer: str = "ada
     """Make the runs known to ``bench.align.runs``; returns the peers left out, with the reason."""
     absent = {}
     _, _, reference, modes, peer_runs = OPTIMIZERS[optimizer]
-    runs = dict(modes, **({} if reference in T.RUNS else {reference: ({}, REFERENCE_BYTES[reference])}))
+    _, control, options, nbytes = CONTROLS[optimizer]
+    runs = dict(modes, **({} if reference in T.RUNS else {reference: ({}, REFERENCE_BYTES[reference])}),
+                **{control: (options, nbytes)})
     for name, (options, _) in runs.items():
         T.EXTRA[name] = (torch.bfloat16, lambda model, cfg, device, o=options: _Mode(model, cfg, o, optimizer))
     for name, (module, cls_name, options, _) in (PEERS if peer_runs is None else peer_runs).items():
@@ -199,6 +208,9 @@ def state_bytes(name: str) -> float:
     for modes in (MODES, LION_MODES, ADAFACTOR_MODES):
         if name in modes:
             return modes[name][1]
+    for _, control, _, nbytes in CONTROLS.values():
+        if name == control:
+            return nbytes
     for peers in (PEERS, LION_PEERS):
         if name in peers:
             return peers[name][3]
@@ -238,7 +250,9 @@ def execute(cfg: M.Config, device: torch.device, peers: bool = True, log=print, 
     data, corpus = M.corpus()
     offsets = M.batch_offsets(len(data), cfg)
     state = M.initial_state(cfg)
-    names = [reference] + list(modes) + [p for p in (PEERS if peer_runs is None else peer_runs) if p not in absent]
+    twin, control, _, _ = CONTROLS[optimizer]
+    names = [reference] + list(modes) + [control] + [p for p in (PEERS if peer_runs is None else peer_runs)
+                                                     if p not in absent]
     runs = {}
     t0 = time.perf_counter()
     for name in names:
@@ -257,6 +271,10 @@ def execute(cfg: M.Config, device: torch.device, peers: bool = True, log=print, 
         lines.append(f"| {n} | {state_bytes(n)} | {100 * f['max']:.3f}% | {100 * f['mean']:.3f}% | "
                      f"{100 * f['last']:.3f}% | {runs[n].losses[-1]:.4f} |")
     lines.append(f"| {reference} (reference) | {state_bytes(reference)} | | | | {runs[reference].losses[-1]:.4f} |")
+    noise = window_figures(runs[control], runs[twin], cfg)
+    lines += ["", f"noise floor: {twin} trained again with seed 1 ({control}), against the seed-0 run: window max "
+                  f"{100 * noise['max']:.3f}%, mean {100 * noise['mean']:.3f}%, last {100 * noise['last']:.3f}% (the "
+                  f"same math, other rounding draws)"]
     lines += [""] + judge(figs, modes)
     lines += [f"absent: {n}: {why}" for n, why in absent.items()]
     return runs, figs, lines
