@@ -20,7 +20,9 @@ and, where installed (``pip install '.[peers]'``), the other libraries' low-prec
 compensation, 6 B), ``torchao-adamw-sr`` (bf16 moments, stochastic rounding, 4 B). The figure per run: the
 relative difference of its 50-step window means from the fp32-master run's, after warm-up (max, mean, last
 window). The bar: every mode's largest window difference is within 0.5%, or no larger than that of the
-peer run with the nearest state size at or below the mode's (the same format choice made elsewhere).
+peer run with the nearest state size at or below the mode's (the same format choice made elsewhere). A control,
+not judged: the ``+sr`` mode trained again with ``seed=1`` (``ampfused+sr~seed1``), whose distance from the seed-0
+run is the noise floor of these figures (the same math, other rounding draws).
 Results go to ``<out>/align-modes-<device>.{csv,txt}``.
 
 ``--optimizer lion`` and ``--optimizer adafactor`` hold ``ampfused.FusedLion`` and ``ampfused.FusedAdafactor``
