@@ -7,9 +7,11 @@ namespace cuda {
 
 std::string adam_step(int device, uintptr_t stream, const StepArgs& args, const WorkList& work, const AdamHyper& h,
                       int32_t* counter, bool single_launch) {
-  if (args.state_dtype == kBF16) return adam_step_bf16m(device, stream, args, work, h, counter, single_launch);
-  if (args.state_dtype == kStateU8) return adam_step_q8m(device, stream, args, work, h, counter, single_launch);
-  return launch_step<AdamOp, kFp32States>(device, stream, args, work, h, counter, single_launch);
+  switch (args.state_dtype) {
+    case kBF16: return adam_step_in<kBf16States>(device, stream, args, work, h, counter, single_launch);
+    case kStateU8: return adam_step_in<kU8States>(device, stream, args, work, h, counter, single_launch);
+    default: return adam_step_in<kFp32States>(device, stream, args, work, h, counter, single_launch);
+  }
 }
 
 std::string prepare_adam(int device) { return prepare_step<AdamOp>(device); }

@@ -17,11 +17,19 @@ struct AdamOp {
   __device__ static void apply(float g, float& w, float& m, float& v, const Consts& c) { adam_update(g, w, m, v, c); }
 };
 
-// adam_step over bf16 moments (adam_bf16m.cu) and over 8-bit moments (adam_q8m.cu).
-std::string adam_step_bf16m(int device, uintptr_t stream, const StepArgs& args, const WorkList& work,
-                            const AdamHyper& h, int32_t* counter, bool single_launch);
-std::string adam_step_q8m(int device, uintptr_t stream, const StepArgs& args, const WorkList& work,
-                          const AdamHyper& h, int32_t* counter, bool single_launch);
+// adam_step over one moment storage (a StateSet of step.cuh); the bf16 and 8-bit ones are instantiated in their
+// own files (adam_bf16m.cu, adam_q8m.cu), not where they are called.
+template <int kSet>
+std::string adam_step_in(int device, uintptr_t stream, const StepArgs& args, const WorkList& work, const AdamHyper& h,
+                         int32_t* counter, bool single_launch) {
+  return launch_step<AdamOp, kSet>(device, stream, args, work, h, counter, single_launch);
+}
+
+#define AMPFUSED_ADAM_STEP_IN(prefix, set)                                                                       \
+  prefix template std::string adam_step_in<set>(int, uintptr_t, const StepArgs&, const WorkList&, const AdamHyper&, \
+                                                int32_t*, bool)
+AMPFUSED_ADAM_STEP_IN(extern, kBf16States);
+AMPFUSED_ADAM_STEP_IN(extern, kU8States);
 
 }  // namespace cuda
 }  // namespace ampfused
