@@ -403,4 +403,14 @@ def test_cuda_backend_passes_its_module_the_table_tiles_and_scratch(monkeypatch)
     assert (num_tiles, num_items, num_colparts) == (5 + 1, 1, 5 * 30)  # bands of 8 rows; one span of the vector
     assert args[-5:] == (num_tiles, num_items, num_colparts, work.scratch.data_ptr(), na.AF_COL_CHUNK)
     assert work.scratch.dtype == torch.float64 and work.scratch.numel() == num_colparts + 3 * num_tiles
+    scratch = work.scratch
+    backend.adafactor_step_(params, [g.clone() for g in grads], None, factors, steps, partials, one, lr, stats,
+                            -0.8, None, 1e-3, 1.0, 0.0, math.inf)  # fresh gradient tensors: a new table, same layout
+    (again,) = na._device_tables.values()
+    assert again is work and work.scratch is scratch and calls[-1][1][0] == work.table.data_ptr()
+    assert work.table.tolist()[:len(rows)] != rows
+    backend.adafactor_step_(params, [grads[0], None], None, factors, steps, partials, one, lr, stats, -0.8, None,
+                            1e-3, 1.0, 0.0, math.inf)  # a parameter without a gradient: another layout
+    (other,) = na._device_tables.values()
+    assert other is not work and other.num_tiles == 5
     na._device_tables.clear()

@@ -103,22 +103,28 @@ _kept_for_graphs: list = []  # device tables and scratch that a captured CUDA gr
 
 class _CudaWork:
     """What the cuda backend's Adafactor step reads besides the tensors: the table and its tile layout on the
-    device (one upload), and the fp64 scratch of the partial sums (column sums per band, and per tile the sums of
-    w*w, of the new row factors and of u*u). Made when the table changes, reused while it holds the same ints."""
+    device (one upload, again whenever the table's ints change: fresh gradient tensors), and the fp64 scratch of
+    the partial sums (column sums per band, and per tile the sums of w*w, of the new row factors and of u*u), kept
+    while the shapes and the parameters that have a gradient stay the same."""
 
-    def __init__(self, rows: List[int], params, grads, device: torch.device):
-        from . import _work
-        self.rows, self.tile_elems = rows, AF_TILE_ELEMS
-        info, self.num_tiles, self.num_items, self.num_colparts = tiles(params, grads, self.tile_elems)
-        host, view = _work.staging(len(rows) + len(info), device)
-        view[:len(rows)] = rows
-        view[len(rows):len(rows) + len(info)] = info
-        self.table = _work.upload(host, device)  # host goes back to torch's page-locked cache once copied
+    def __init__(self, layout: tuple, params, grads, device: torch.device):
+        self.layout, self.tile_elems = layout, AF_TILE_ELEMS
+        self.info, self.num_tiles, self.num_items, self.num_colparts = tiles(params, grads, self.tile_elems)
         self.scratch = torch.empty(max(1, self.num_colparts + 3 * self.num_tiles), dtype=torch.float64,
                                    device=device)
+        self.rows: Optional[List[int]] = None
 
-    def holds(self, rows: List[int]) -> bool:
-        return self.rows == rows and self.tile_elems == AF_TILE_ELEMS
+    def upload(self, rows: List[int], device: torch.device) -> None:
+        from . import _work
+        host, view = _work.staging(len(rows) + len(self.info), device)
+        view[:len(rows)] = rows
+        view[len(rows):len(rows) + len(self.info)] = self.info
+        self.table = _work.upload(host, device)  # host goes back to torch's page-locked cache once copied
+        self.rows = rows
+
+
+def _layout(params, grads) -> tuple:
+    return tuple((tuple(p.shape), g is None) for p, g in zip(params, grads))
 
 
 def adafactor_step_cuda(self, params, grads, master: Optional[Tensor], factors: Tensor, steps: Tensor,
@@ -136,13 +142,16 @@ def adafactor_step_cuda(self, params, grads, master: Optional[Tensor], factors: 
     index = _device_index(steps.device)
     key = (index, steps.data_ptr())
     work = _device_tables.get(key)
-    if work is None or not work.holds(rows):
+    if work is None or work.rows != rows or work.tile_elems != AF_TILE_ELEMS:
         if _capturing(index):
             raise RuntimeError("the cuda backend cannot upload a new Adafactor table while a CUDA graph is being "
                                "captured: run one step eagerly with exactly these tensors before capturing it")
-        work = _device_tables[key] = _CudaWork(rows, params, grads, steps.device)
+        layout = _layout(params, grads)
+        if work is None or work.layout != layout or work.tile_elems != AF_TILE_ELEMS:
+            work = _device_tables[key] = _CudaWork(layout, params, grads, steps.device)
+        work.upload(rows, steps.device)
     if _capturing(index):
-        _kept_for_graphs.append(work)
+        _kept_for_graphs.append((work.table, work.scratch))  # the tensors the graph reads, not what holds them
     partials = _N.partials_arg(partials)
     self._mod().adafactor_step(
         work.table.data_ptr(), len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0, _N.grad_code(grads),
