@@ -256,21 +256,12 @@ void adafactor_param(const AfBufs& bufs, const int64_t* row, float coef, double 
   }
 }
 
-template <typename F>
-void af_with_type(int code, F&& f) {
-  switch (code) {
-    case kBF16: f(bf16_t{}); break;
-    case kF16: f(f16_t{}); break;
-    default: f(float{}); break;
-  }
-}
-
 // Every parameter with a gradient (rows: the Adafactor table), each at its own step count t[k].
 inline void adafactor_apply(const AfBufs& b, const int64_t* rows, int64_t count, const double* t, float coef,
                             const AfHyper& h, int nthreads) {
-  af_with_type(b.grad_dtype, [&](auto gtag) {
+  with_type(b.grad_dtype, [&](auto gtag) {
     using G = decltype(gtag);
-    af_with_type(b.param_dtype, [&](auto ptag) {
+    with_type(b.param_dtype, [&](auto ptag) {
       using P = decltype(ptag);
       for (int64_t k = 0; k < count; ++k) {
         const int64_t* row = rows + k * kAfCols;

@@ -40,15 +40,6 @@ inline void prefetch_block(const void* block, int64_t bytes) {
 #endif
 }
 
-template <typename F>
-void with_type(int code, F&& f) {
-  switch (code) {
-    case kBF16: f(bf16_t{}); break;
-    case kF16: f(f16_t{}); break;
-    default: f(float{}); break;
-  }
-}
-
 // The largest |x| of a chunk, as bits, decides its non-finite flag. For 16-bit types it is taken on the
 // raw bits (|x| is x with the sign bit cleared; inf and NaN are the largest), twice as many per vector: the
 // same flag as abs_bits of the converted value, at half the instructions.

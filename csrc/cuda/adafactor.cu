@@ -168,6 +168,14 @@ __device__ __forceinline__ AfTile af_tile(const int64_t* table, const int64_t* i
   return tl;
 }
 
+// The elements of the parameter of table row `row`: its weights, gradient and master, the gradient scaled by coef.
+template <typename G, typename P, int kFmt>
+__device__ __forceinline__ AfElems<G, P, kFmt> af_elems(const int64_t* row, const StepArgs& a, float coef,
+                                                        bool maximize) {
+  return {reinterpret_cast<P*>(uintptr_t(row[0])), reinterpret_cast<const G*>(uintptr_t(row[1])), a.master, row[3],
+          coef, maximize};
+}
+
 // max(mean of matrix b's new row factors, eps1), from its bands' sums in band order, in every thread.
 __device__ __forceinline__ float af_rmean(const double* rowsums, const AfTile& tl, int64_t R, float eps1) {
   const double s = af_sum_l2(rowsums + tl.info[0] + tl.b * tl.bands, tl.bands);
@@ -192,9 +200,7 @@ __global__ void __launch_bounds__(kThreads) adafactor_kernel(const int64_t* tabl
   // 1. rows, column partial sums, w*w; a vector's variance and u*u
   for (int64_t x = blockIdx.x; x < h.num_tiles; x += gridDim.x) {
     const AfTile tl = af_tile(table, info, count, a, h, x, 0);
-    const AfElems<G, P, kFmt> e{reinterpret_cast<P*>(uintptr_t(tl.row[0])),
-                                reinterpret_cast<const G*>(uintptr_t(tl.row[1])), a.master, tl.row[3], pro.coef,
-                                h.maximize};
+    const auto e = af_elems<G, P, kFmt>(tl.row, a, pro.coef, h.maximize);
     const AfCudaShape s(tl.row);
     float* f = h.factors + tl.row[4];
     double w_sumsq = 0.0, u_sumsq = 0.0, row_sum = 0.0;
@@ -268,9 +274,7 @@ __global__ void __launch_bounds__(kThreads) adafactor_kernel(const int64_t* tabl
     const AfTile tl = af_tile(table, info, count, a, h, x, 0);
     const AfCudaShape s(tl.row);
     if (!s.factored) continue;  // uniform in the block: a vector's sum is from pass 1
-    const AfElems<G, P, kFmt> e{reinterpret_cast<P*>(uintptr_t(tl.row[0])),
-                                reinterpret_cast<const G*>(uintptr_t(tl.row[1])), a.master, tl.row[3], pro.coef,
-                                h.maximize};
+    const auto e = af_elems<G, P, kFmt>(tl.row, a, pro.coef, h.maximize);
     const float* rows = h.factors + tl.row[4] + tl.b * s.R;
     const float* cols = h.factors + tl.row[4] + s.B * s.R + tl.b * s.C;
     const float rm = af_rmean(rowsums, tl, s.R, eps1);
@@ -296,9 +300,7 @@ __global__ void __launch_bounds__(kThreads) adafactor_kernel(const int64_t* tabl
   for (int64_t x = blockIdx.x; x < h.num_tiles; x += gridDim.x) {
     const AfTile tl = af_tile(table, info, count, a, h, x, 0);
     const AfCudaShape s(tl.row);
-    const AfElems<G, P, kFmt> e{reinterpret_cast<P*>(uintptr_t(tl.row[0])),
-                                reinterpret_cast<const G*>(uintptr_t(tl.row[1])), a.master, tl.row[3], pro.coef,
-                                h.maximize};
+    const auto e = af_elems<G, P, kFmt>(tl.row, a, pro.coef, h.maximize);
     const int64_t n = tl.row[2];
     const int64_t ntiles = tl.info[kAfInfo] - tl.info[0];
     const double w_sumsq = af_sum_l2(wsums + tl.info[0], ntiles);
@@ -370,15 +372,6 @@ cudaError_t af_launch(int device, cudaStream_t st, const int64_t* table, const S
                                      dim3(kThreads), params, 0, st);
 }
 
-template <typename F>
-void af_with_type(int code, F&& f) {
-  switch (code) {
-    case kBF16: f(bf16_t{}); break;
-    case kF16: f(f16_t{}); break;
-    default: f(float{}); break;
-  }
-}
-
 }  // namespace
 
 std::string adafactor_step(int device, uintptr_t stream, const int64_t* table, const StepArgs& a,
@@ -388,8 +381,8 @@ std::string adafactor_step(int device, uintptr_t stream, const int64_t* table, c
   if (!dev.empty()) return dev;
   const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   cudaError_t e = cudaSuccess;
-  af_with_type(a.grad_dtype, [&](auto gtag) {
-    af_with_type(a.param_dtype, [&](auto ptag) {
+  with_type(a.grad_dtype, [&](auto gtag) {
+    with_type(a.param_dtype, [&](auto ptag) {
       using G = decltype(gtag);
       using P = decltype(ptag);
       if (a.master_format == kMasterRemainder) {
@@ -410,8 +403,8 @@ std::string prepare_adafactor(int device) {
   if (!dev.empty()) return dev;
   for (int g : {int(kF32), int(kBF16), int(kF16)}) {
     for (int p : {int(kF32), int(kBF16), int(kF16)}) {
-      af_with_type(g, [&](auto gtag) {
-        af_with_type(p, [&](auto ptag) {
+      with_type(g, [&](auto gtag) {
+        with_type(p, [&](auto ptag) {
           using G = decltype(gtag);
           using P = decltype(ptag);
           af_resident<G, P, kMasterF32>(device);

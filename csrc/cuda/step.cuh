@@ -197,15 +197,6 @@ std::string launch_step_typed(int device, cudaStream_t s, const StepArgs& a, con
   return e == cudaSuccess ? std::string() : cuda_error(single_launch ? "cooperative step launch" : "step launch", e);
 }
 
-template <typename F>
-void with_type(int code, F&& f) {
-  switch (code) {
-    case kBF16: f(bf16_t{}); break;
-    case kF16: f(f16_t{}); break;
-    default: f(float{}); break;
-  }
-}
-
 // The moments' storage type of a step (StepArgs::state_dtype): fp32, bf16, or 8-bit codes.
 template <typename F>
 void with_state(int code, F&& f) {

@@ -27,6 +27,17 @@ constexpr int kStateU8 = 4;
 struct bf16_t { uint16_t bits; };
 struct f16_t { uint16_t bits; };
 
+// Calls f with a value of the storage type of element code `code` (fp32 for any other code): the host-side
+// dispatch of every backend's typed kernels.
+template <typename F>
+inline void with_type(int code, F&& f) {
+  switch (code) {
+    case kBF16: f(bf16_t{}); break;
+    case kF16: f(f16_t{}); break;
+    default: f(float{}); break;
+  }
+}
+
 AF_HD uint32_t f32_bits(float f) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(f);
