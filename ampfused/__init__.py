@@ -27,7 +27,8 @@ _DISTRIBUTED += ("ShardedFusedLion",)
 
 def __getattr__(name):
     # imported on first use: ampfused.distributed needs torch.distributed, which some builds of torch lack
-    if name in _DISTRIBUTED:
-        from . import distributed
-        return getattr(distributed, name)
+    if name in _DISTRIBUTED or name == "distributed":
+        import importlib
+        distributed = importlib.import_module(".distributed", __name__)  # not "from . import": that asks here first
+        return distributed if name == "distributed" else getattr(distributed, name)
     raise AttributeError(f"module 'ampfused' has no attribute {name!r}")

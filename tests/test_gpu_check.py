@@ -333,9 +333,14 @@ def test_sanitizer_commands_wait_for_cuda_and_check_ampfused_kernels(tmp_path):
         assert cmd[-6:-4] == ["bench.gpu.probe", "sanitize"]
         assert ("PYTORCH_NO_CUDA_MEMORY_CACHING" in env) == (tool in ("memcheck", "initcheck"))
         assert ("--check-device-heap" in cmd) == (tool == "memcheck")
-    ours = ["_ZN8ampfused4cuda12_GLOBAL__N_18k2_stepI6AdamOpEEvNS0_8StepArgsE", "_adam_kernel", "_norm_check_kernel",
-            "_sgd_kernel", "_update_scale_kernel"]
-    pats = [p.split(":", 1)[1] for p in gpu_check.SANITIZED_KERNELS]
+    # compute-sanitizer's filter syntax is key=value (an H200 refused "regex:...": "invalid filter key")
+    assert all(p.split("=", 1)[0] in ("regex", "kernel_name", "kne", "kernel_substring", "kns")
+               for p in gpu_check.SANITIZED_KERNELS)
+    ours = ["_ZN8ampfused4cuda11step_kernelI6bf16_tS1_6AdamOpLi2EhEEvNS0_8StepArgsENS0_8WorkListE",
+            "_ZN8ampfused4cuda12_GLOBAL__N_116adafactor_kernelEPKlNS0_8StepArgsENS1_12AfCudaHyperE",
+            "_adam_kernel", "_norm_check_kernel", "_sgd_kernel", "_lion_kernel", "_adafactor_kernel",
+            "_update_scale_kernel"]
+    pats = [p.split("=", 1)[1] for p in gpu_check.SANITIZED_KERNELS]
     assert all(any(re.search(p, k) for p in pats) for k in ours)
     assert not any(re.search(p, "_ZN2at6native29vectorized_elementwise_kernelILi4ENS0_11FillFunctorIfEE")
                    for p in pats)

@@ -172,9 +172,13 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
             checked = self._checked_hyper = {}
         P.check_changed_groups(self.param_groups, checked, self._validate_and_provide)
 
+    @torch.compiler.disable
     def _validate_and_provide(self, group: dict, where: str) -> None:
         """A changed group checked, and its segments rebuilt, carrying their state, when its step now reads a state
-        they lack (SGD's momentum buffer once a scheduler or the loop switches momentum on)."""
+        they lack (SGD's momentum buffer once a scheduler or the loop switches momentum on). Eager only: a compiled
+        step checks in _check_hyperparameters' compiling branch; where a step falls back to eager, dynamo may still
+        trace the frames it calls, and torch 2.11's fails on this one's attribute writes to the optimizer (disabled,
+        it runs eagerly)."""
         self._validate_group(group, where)
         needed = self._state_names_for(group)
         stale = {seg.group_index for seg in self._segments if self.param_groups[seg.group_index] is group

@@ -54,7 +54,9 @@ SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 # Triton kernels (their entry points' names), not every kernel torch loads too (an H200 run of memcheck over this
 # Python workload gave no result in 120 s, where initcheck ran). initcheck checks them all, since it must see
 # every kernel's writes to know what memory is initialized.
-SANITIZED_KERNELS = ("regex:ampfused", "regex:_(adam|sgd|norm_check|update_scale)_kernel")
+# compute-sanitizer filters (key=value; regex= is matched against the mangled name): the CUDA backend's kernels
+# (namespace ampfused) and the Triton kernels' entry points
+SANITIZED_KERNELS = ("regex=ampfused", "regex=_(adam|sgd|lion|adafactor|norm_check|update_scale)_kernel")
 LOG_SECTION_LIMIT = 1 << 20  # bytes of one stage's output kept in the combined log (head and tail)
 
 

@@ -169,3 +169,15 @@ def test_ddp_no_sync_accumulation_with_the_global_token_count(tmp_path):
         for key in ("params", "master_param", "exp_avg", "exp_avg_sq", "step"):
             for i, (a, b) in enumerate(zip(got[key], single[key])):
                 assert_bitwise(f"rank {r} {key}[{i}] vs the single-process run", a, b)
+
+
+def test_ampfused_distributed_reached_from_the_package_alone():
+    """``import ampfused`` then ``ampfused.distributed.sum_hook``, as a DDP script writes it: the submodule is
+    imported on first use (a fresh interpreter, so no other test has imported it already)."""
+    import subprocess
+    import sys
+    code = ("import ampfused, sys; assert 'ampfused.distributed' not in sys.modules; "
+            "print(ampfused.distributed.sum_hook.__name__, ampfused.ShardedFusedAdamW.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["sum_hook", "ShardedFusedAdamW"]

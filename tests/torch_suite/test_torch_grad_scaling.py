@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ampfused
-from backends import requires_triton
+from backends import TRITON_DEVICE, requires_triton
 
 TORCH_OF = {ampfused.FusedSGD: torch.optim.SGD, ampfused.FusedAdamW: torch.optim.AdamW,
             torch.optim.SGD: torch.optim.SGD}
@@ -340,10 +340,13 @@ def test_clip_before_the_step_under_either_scaler_and_backend(scaler_cls, backen
     """The clip of the scaled gradients folded into the fused step, with torch's GradScaler too (it hands the
     fused optimizer its scale the same way), on the reference and Triton kernels: torch's numbers."""
     max_norm = 0.2
-    control, opt_c, scaling, _ = _models(ampfused.FusedSGD)
+    dev = TRITON_DEVICE if backend == "triton" else "cpu"  # compiled Triton runs on CUDA tensors only
+    control, _, scaling, _ = _models(ampfused.FusedSGD)
+    control.to(dev), scaling.to(dev)
+    opt_c = torch.optim.SGD(control.parameters(), lr=1.0)
     opt_s = ampfused.FusedSGD(scaling.parameters(), lr=1.0, backend=backend)
-    scaler = scaler_cls("cpu", init_scale=INIT_SCALE)
-    for x, y in _data(3):
+    scaler = scaler_cls(dev, init_scale=INIT_SCALE)
+    for x, y in ((x.to(dev), y.to(dev)) for x, y in _data(3)):
         opt_c.zero_grad()
         _loss(control, x, y).backward()
         torch.nn.utils.clip_grad_norm_(control.parameters(), max_norm)
