@@ -9,7 +9,7 @@ places them in one flat fp32 buffer, ``factors``.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -162,3 +162,118 @@ def adafactor_step_(params: List[Tensor], grads: List[Optional[Tensor]], master:
         w_new = w_new - step * u_mem
         _commit(skip, [(factors[fsl], new_state)] + cx.weight_pairs(pm, w_buf, w_new, t, sl))
         steps[i] += (~skip).to(steps.dtype)
+
+
+def shard_sums(shape: Sequence[int], dim: Optional[int]) -> Tuple[bool, bool]:
+    """For a parameter split over ranks along ``dim`` (None: not split), whether its row sums (over columns) and
+    its column sums (over rows) are partial on each rank: ``(dim is the column dimension, dim is the row
+    dimension)`` for a factored shape; a split along a batch dimension leaves both whole."""
+    if dim is None or not factored(shape):
+        return False, False
+    dim = dim % len(shape)
+    return dim == len(shape) - 1, dim == len(shape) - 2
+
+
+def adafactor_step_sharded_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
+                            factors: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
+                            out_stats: Tensor, beta2_decay: float, eps1: Optional[float], eps2: float, d: float,
+                            weight_decay: float, max_norm: float, maximize: bool, seed: Optional[Tensor],
+                            full_shapes: Sequence[Sequence[int]], dims: Sequence[Optional[int]],
+                            reduce: Callable[[Tensor], None]) -> None:
+    """:func:`adafactor_step_` over the local shards of parameters split over ranks (FSDP2): ``params`` and
+    ``grads`` are this rank's pieces, ``full_shapes`` the whole parameters' shapes and ``dims`` the dimension each
+    is split along (None: whole here); ``factors`` is laid out by ``factor_layout`` of the local shapes (a split
+    along the rows keeps every column factor, along the columns every row factor); ``partials`` are summed over
+    the ranks already. ``reduce(t)`` sums ``t`` over the ranks in place (on the device: no host read).
+
+    The math is :func:`adafactor_step_`'s with each sum over a whole parameter made of the ranks' partial sums:
+    the sums of ``w*w`` and ``u*u``, a factored parameter's column sums and row-factor mean when its rows are
+    split, its row sums when its columns are. Two reductions per step for all parameters together, one before
+    the update (those of the gradient and the weight) and one of ``u*u``. With one rank it is
+    :func:`adafactor_step_` bit for bit; with more, the sums are added in another order (within the oracle rule)."""
+    cx = _Compact(params, master, [], seed)
+    cd = cx.cd
+    eps1 = EPS1_DEFAULT if eps1 is None else float(eps1)
+    coef, skip = _prologue(partials, inv_scale, max_norm, out_stats, cd)
+    w_offsets, _ = state_layout([p.numel() for p in params], cx.align)
+    f_offsets, _ = factor_layout([tuple(p.shape) for p in params])
+    eps1_sq = eps1 * eps1 if cd == torch.float64 else fp32(eps1 * eps1)
+    work, first = [], []
+    for i, (p, grad) in enumerate(zip(params, grads)):  # the gradient's and the weight's sums
+        if grad is None:
+            continue
+        shape, full = tuple(p.shape), tuple(full_shapes[i])
+        row_sums_partial, col_sums_partial = shard_sums(full, dims[i])
+        sl = slice(w_offsets[i], w_offsets[i] + p.numel())
+        pm = memory_view(p)
+        w_buf = master[sl] if master is not None else pm
+        w = cx.load_weight(pm, w_buf)
+        g = grad.to(cd) * coef
+        if maximize:
+            g = -g
+        g = g.contiguous()
+        t = steps[i].float() + 1
+        w2, rho, decay = step_scalars(t, lr, beta2_decay, weight_decay, cd)
+        fsl = slice(f_offsets[i], f_offsets[i] + factor_size(shape))
+        item = dict(i=i, shape=shape, full=full, sl=sl, pm=pm, w_buf=w_buf, w=w, g=g, t=t, w2=w2, rho=rho,
+                    decay=decay, fsl=fsl,                     w_sumsq=(w * w).sum().reshape(1))
+        sums = [item["w_sumsq"]]
+        if factored(shape):
+            b, r, c = factor_dims(shape)
+            g2 = (g * g).reshape(b, r, c)
+            item["row_sum"], item["col_sum"] = g2.sum(dim=2), g2.sum(dim=1)
+            if row_sums_partial:
+                sums.append(item["row_sum"])
+            if col_sums_partial:  # the rows here are whole: their new factors, and their sum for the mean
+                sums.append(item["col_sum"])
+                item["rows"] = _lerp(factors[fsl][:b * r].view(b, r), item["row_sum"] / full[-1], item["w2"])
+                item["rows_sum"] = item["rows"].sum(dim=1, keepdim=True)
+                sums.append(item["rows_sum"])
+        work.append(item)
+        first.extend(sums)
+    _reduced(first, reduce)
+    second = []
+    for item in work:  # the second moment, the update and its sum of squares
+        shape, full, g, w2, fsl = item["shape"], item["full"], item["g"], item["w2"], item["fsl"]
+        state = factors[fsl]
+        if factored(shape):
+            b, r, c = factor_dims(shape)
+            rows = item.get("rows")
+            if rows is None:
+                rows = _lerp(state[:b * r].view(b, r), item["row_sum"] / full[-1], w2)
+                item["rows_sum"] = rows.sum(dim=1, keepdim=True)
+            cols = _lerp(state[b * r:].view(b, c), item["col_sum"] / full[-2], w2)
+            rmean = torch.clamp(item["rows_sum"] / full[-2], min=eps1)
+            v = ((rows.unsqueeze(2) * cols.unsqueeze(1)) / rmean.unsqueeze(2)).reshape(shape)
+            item["new_state"] = torch.cat([rows.reshape(-1), cols.reshape(-1)])
+        else:
+            v = _lerp(state.view(shape), g * g, w2)
+            item["new_state"] = v.reshape(-1)
+        item["u"] = g / sqrt_rn(torch.clamp(v, min=eps1_sq))
+        item["u_sumsq"] = (item["u"] * item["u"]).sum().reshape(1)
+        second.append(item["u_sumsq"])
+    _reduced(second, reduce)
+    for item in work:  # the step size and the update
+        i, p, shape = item["i"], params[item["i"]], item["shape"]
+        root_n = math.sqrt(math.prod(item["full"]))
+        alpha = _max(sqrt_rn(item["w_sumsq"][0]).double() / root_n, eps2) * item["rho"]
+        step = (alpha / _max(sqrt_rn(item["u_sumsq"][0]).double() / (root_n * d), 1.0)).to(cd)
+        u_mem = memory_view(torch.empty_like(p, dtype=cd).copy_(item["u"].view(shape)))
+        w = item["w"]
+        w_new = w * item["decay"] if weight_decay != 0 else w
+        w_new = w_new - step * u_mem
+        _commit(skip, [(factors[item["fsl"]], item["new_state"])]
+                + cx.weight_pairs(item["pm"], item["w_buf"], w_new, item["t"], item["sl"]))
+        steps[i] += (~skip).to(steps.dtype)
+
+
+def _reduced(parts: List[Tensor], reduce: Callable[[Tensor], None]) -> None:
+    """Sum every tensor of ``parts`` over the ranks in place, in one reduction of their concatenation."""
+    if not parts:  # (no gradient here, nor on any rank: the ranks hold the same parameters' shards)
+        return
+    flat = torch.cat([t.reshape(-1) for t in parts])
+    reduce(flat)
+    k = 0
+    for t in parts:
+        t.copy_(flat[k:k + t.numel()].view(t.shape))
+        k += t.numel()

@@ -35,9 +35,19 @@ class AdafactorSegment(Segment):
         return flat[off:off + factor_size(self.layouts[i][2])]
 
     def state_views(self, i: int) -> Dict[str, Tensor]:
-        if self.sharded:
-            raise NotImplementedError("Adafactor's factored state does not shard with the parameter (FSDP2)")
-        return factor_views(self.states["factors"], self.factor_offsets[i], self.layouts[i][2])
+        """Parameter ``i``'s factors as torch.optim.Adafactor shows them; for FSDP2, DTensors placed as
+        :func:`factor_placements` says, whole shapes, over this rank's factors."""
+        views = factor_views(self.states["factors"], self.factor_offsets[i], self.layouts[i][2])
+        if not self.sharded:
+            return views
+        from torch.distributed.tensor import DTensor
+        p = self.params[i]
+        out = {}
+        for key, v in views.items():
+            shape = full_factor_shape(tuple(p.shape), key)
+            out[key] = DTensor.from_local(v, p.device_mesh, factor_placements(p, key), run_check=False,
+                                          shape=shape, stride=_contiguous_strides(shape))
+        return out
 
     def carry_states(self, i: int, prev: Segment, j: int) -> None:
         """Parameter ``prev[j]``'s factors into parameter ``i`` (same shape: the caller checks)."""
@@ -52,12 +62,54 @@ class AdafactorSegment(Segment):
             view.copy_(local(entry[key]).detach().reshape(view.shape))
 
 
-def check_entry(key_shapes: dict, e: dict, where: str) -> None:
-    """A loaded entry's factors: floating-point dense tensors of torch.optim.Adafactor's shapes."""
+def full_factor_shape(shape: tuple, key: str) -> tuple:
+    """The shape of state ``key`` of a whole parameter of ``shape`` (torch.optim.Adafactor's)."""
+    if key == "row_var":
+        return shape[:-1] + (1,)
+    if key == "col_var":
+        return shape[:-2] + (1, shape[-1])
+    return shape
+
+
+def factor_placements(p, key: str) -> tuple:
+    """Where an FSDP2 parameter's state ``key`` lives: split as the parameter is, except that a parameter split
+    along its rows keeps every column factor on each rank (``col_var`` replicated: each rank's is the whole one,
+    computed from sums over the ranks), and one split along its columns every row factor."""
+    from torch.distributed.tensor import Replicate, Shard
+    if key == "variance":
+        return tuple(p.placements)
+    whole = p.dim() - 1 if key == "row_var" else p.dim() - 2
+    return tuple(Replicate() if pl.is_shard() and pl.dim % p.dim() == whole else
+                 (Shard(pl.dim % p.dim()) if pl.is_shard() else pl) for pl in p.placements)
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, k = [], 1
+    for n in reversed(shape):
+        strides.append(k)
+        k *= max(1, n)
+    return tuple(reversed(strides))
+
+
+def check_entry(key_shapes: dict, e: dict, where: str, param=None) -> None:
+    """A loaded entry's factors: floating-point dense tensors of torch.optim.Adafactor's shapes (``key_shapes``:
+    this rank's). For a DTensor ``param`` (FSDP2), DTensors of the whole shapes placed by
+    :func:`factor_placements`, whose local tensors have this rank's shapes."""
+    from ._segment import is_dtensor
     for key, shape in key_shapes.items():
         v = e.get(key)
         if not isinstance(v, Tensor):
             raise ValueError(f"loaded state of {where} lacks '{key}' (a tensor of shape {tuple(shape)})")
+        if param is not None and is_dtensor(param):
+            want, full = factor_placements(param, key), full_factor_shape(tuple(param.shape), key)
+            if not is_dtensor(v) or tuple(v.placements) != want or v.device_mesh != param.device_mesh:
+                found = f"placed {v.placements} on {v.device_mesh}" if is_dtensor(v) else "a plain tensor"
+                raise ValueError(f"loaded state '{key}' of {where} is {found}, but it must be a DTensor placed {want} "
+                                 f"on {param.device_mesh}: load sharded optimizer state with torch.distributed."
+                                 "checkpoint.state_dict.set_optimizer_state_dict (or give DTensors placed so)")
+            if tuple(v.shape) != full:
+                raise ValueError(f"loaded state '{key}' of {where} must have shape {full}, got {tuple(v.shape)}")
+            v = v._local_tensor
         if not v.is_floating_point() or v.layout != torch.strided or v.is_meta:
             raise ValueError(f"loaded state '{key}' of {where} must be a dense floating-point tensor, got {v.dtype} "
                              f"({v.layout})")
@@ -98,7 +150,7 @@ def import_state_dict(opt, state_dict: dict) -> None:
                 raise ValueError(f"loaded state of {where} must be a dict, got {type(e).__name__}")
             shapes = {k: v.shape for k, v in factor_views(torch.empty(factor_size(p.shape), device="meta"), 0,
                                                           tuple(p.shape)).items()}
-            check_entry(shapes, e, where)
+            check_entry(shapes, e, where, param)
             entries.append((e, _saved_step(opt, e, where)))
         plans.append((seg, entries))
     built = []

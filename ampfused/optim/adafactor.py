@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from .. import ops
@@ -36,8 +37,8 @@ def _check(lr, beta2_decay, eps, d, weight_decay, where: str = "") -> None:
 
 
 def _refuse(params) -> None:
-    """torch's refusal of complex parameters (before any step here), and DTensor (FSDP2) parameters: a shard
-    holds part of a matrix's rows, and its factors need sums over the whole matrix (docs/adafactor.md)."""
+    """torch's refusal of complex parameters (before any step here), and of DTensor parameters split along more
+    than one dimension, or partial (FSDP2 splits each along one, dimension 0 by default)."""
     from ._segment import is_dtensor
     groups = params if isinstance(params, (list, tuple)) else [params]
     for g in groups:
@@ -48,10 +49,26 @@ def _refuse(params) -> None:
             if isinstance(p, Tensor) and p.is_complex():
                 raise RuntimeError("Adafactor does not support complex parameters")
             if is_dtensor(p):
-                raise NotImplementedError(
-                    f"FusedAdafactor got a DTensor parameter (shape {tuple(p.shape)}, placed {p.placements}): its "
-                    "row and column factors need sums over whole matrices, which a shard does not hold; sharded "
-                    "Adafactor (FSDP2, ZeRO-1) is not implemented (docs/adafactor.md)")
+                shard_dim(p)
+
+
+def shard_dim(p) -> Optional[int]:
+    """The dimension a DTensor parameter is split along over its mesh (None: replicated on every mesh
+    dimension); refused when it is split along two, or partial: its factors' sums over a whole matrix are summed
+    over the ranks of the split (docs/adafactor.md)."""
+    dims = set()
+    for pl in p.placements:
+        if pl.is_shard():
+            dims.add(pl.dim % max(1, p.dim()))
+        elif not pl.is_replicate():
+            raise ValueError(f"FusedAdafactor got a DTensor parameter (shape {tuple(p.shape)}) placed {p.placements}: "
+                             "it takes sharded or replicated parameters (FSDP2), not partial ones")
+    if len(dims) > 1:
+        raise NotImplementedError(
+            f"FusedAdafactor got a DTensor parameter (shape {tuple(p.shape)}) placed {p.placements}, split along "
+            f"dimensions {sorted(dims)}: a sharded Adafactor step splits each parameter along one dimension "
+            "(FSDP2's Shard(0) by default; docs/adafactor.md)")
+    return dims.pop() if dims else None
 
 
 class AdafactorMath:
@@ -81,12 +98,39 @@ class AdafactorMath:
 
     def _step_op(self, seg, params, grads, group, partials, inv_scale, lr, max_norm, backend: str) -> None:
         eps1, eps2 = group["eps"]
+        if seg.sharded:
+            self._sharded_step(seg, params, grads, group, partials, inv_scale, lr, max_norm)
+            return
         backend = ops.adafactor.pick(seg.device, ops._step_dtypes(params, grads, seg.master), self.backend)
         ops.call_step_("adafactor_step_", params, grads, seg.master, seg.states["factors"], seg.steps, partials,
                        inv_scale, lr, self._stats, float(group["beta2_decay"]),
                        None if eps1 is None else float(eps1), float(eps2), float(group["d"]),
                        float(group["weight_decay"]), max_norm, bool(group["maximize"]), backend,
                        seed=getattr(seg, "seed", None))
+
+    def _sharded_step(self, seg, params, grads, group, partials, inv_scale, lr, max_norm) -> None:
+        """FSDP2: the step over this rank's shards in torch operations (the reference math, summing each whole
+        parameter's sums over the ranks of the split on the device: two all-reduces for the segment)."""
+        from ..ops.adafactor import check_inputs
+        from ..ops.reference_adafactor import adafactor_step_sharded_
+        eps1, eps2 = group["eps"]
+        eps1 = None if eps1 is None else float(eps1)
+        seed = getattr(seg, "seed", None)
+        check_inputs(params, grads, seg.master, seg.states["factors"], seg.steps, partials, inv_scale, lr,
+                     self._stats, seed, float(group["beta2_decay"]), eps1, float(eps2), float(group["d"]),
+                     float(group["weight_decay"]), max_norm)
+        shard_groups = self._shard_groups
+
+        def reduce(t: Tensor) -> None:
+            for pg in shard_groups:
+                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=pg)
+
+        with torch.no_grad():
+            adafactor_step_sharded_(
+                params, grads, seg.master, seg.states["factors"], seg.steps, partials, inv_scale, lr, self._stats,
+                float(group["beta2_decay"]), eps1, float(eps2), float(group["d"]), float(group["weight_decay"]),
+                max_norm, bool(group["maximize"]), seed, [tuple(p.shape) for p in seg.params],
+                [shard_dim(p) for p in seg.params], reduce)
 
     def _import_state_dict(self, state_dict: dict) -> None:
         import_state_dict(self, state_dict)
