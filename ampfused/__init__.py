@@ -21,8 +21,8 @@ __all__ += ["FusedAdafactor"]
 _DISTRIBUTED = ("ShardedFusedAdam", "ShardedFusedAdamW", "ShardedFusedSGD")
 
 from .optim import FusedLion  # noqa: E402
-__all__ += ["FusedLion", "ShardedFusedLion"]
-_DISTRIBUTED += ("ShardedFusedLion",)
+__all__ += ["FusedLion", "ShardedFusedLion", "ShardedFusedAdafactor"]
+_DISTRIBUTED += ("ShardedFusedLion", "ShardedFusedAdafactor")
 
 
 def __getattr__(name):

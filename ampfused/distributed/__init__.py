@@ -8,3 +8,6 @@ __all__ = ["global_sum", "sum_hook", "ShardedFusedAdam", "ShardedFusedAdamW", "S
 
 from .optimizers import ShardedFusedLion  # noqa: E402
 __all__ += ["ShardedFusedLion"]
+
+from .adafactor import ShardedFusedAdafactor  # noqa: E402
+__all__ += ["ShardedFusedAdafactor"]
