@@ -52,7 +52,7 @@ def test_product_rounds_like_fp64(f):
     for force_int in sorted({exact, 0}):  # factors exact in fp32 also through the integer path
         out = torch.empty_like(s)
         block = 16384 if INTERPRET else 256
-        _mul_kernel[(triton.cdiv(s.numel(), block),)](s, out, s.numel(), f32, exact and not force_int, *parts,
+        _mul_kernel[(triton.cdiv(s.numel(), block),)](s, out, s.numel(), f32, int(exact and not force_int), *parts,
                                                        BLOCK=block)
         assert torch.equal(out.isnan(), nan)
         assert_bitwise(f"scale * {f}", out[~nan], expected[~nan])
