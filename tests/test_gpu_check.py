@@ -83,10 +83,10 @@ def _part_stages(part):
 
 
 def test_each_part_fits_its_budget_and_the_parts_cover_every_stage():
-    """Three parts of at most 300 s, the first holding the whole build: all three fit a 15-minute window with the
-    machine's start."""
+    """Four parts of at most 300 s, the first holding the whole build (two or three fit a 15-minute window with
+    the machine's start)."""
     assert gpu_check.DEFAULT_BUDGET <= 575
-    assert sorted(PARTS) == ["kernels", "probes", "rest"]
+    assert sorted(PARTS) == ["kernels", "probes", "sanitize", "suite"]
     covered = set()
     for name, part in PARTS.items():
         stages = _part_stages(part)
@@ -289,7 +289,7 @@ def test_parts_merge_into_one_summary(tmp_path):
     """Two parts run without a GPU (build and the suite skipped): the merged summary takes each stage from the part
     that ran it, and a stage no part selected says so."""
     dirs = []
-    for part in ("kernels", "rest"):
+    for part in ("kernels", "suite", "sanitize"):
         d = tmp_path / part
         r = subprocess.run([sys.executable, "-m", "bench.gpu", str(d), "--part", part, "--skip", "build,suite"],
                            cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -301,11 +301,11 @@ def test_parts_merge_into_one_summary(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((out / "summary.json").read_text())
     rows = {s["name"]: s for s in data["stages"]}
-    assert set(rows) == set(gpu_check.STAGE_NAMES) and data["parts"] == ["kernels", "rest"]
+    assert set(rows) == set(gpu_check.STAGE_NAMES) and data["parts"] == ["kernels", "suite", "sanitize"]
     assert rows["info"]["part"] == "kernels" and rows["info"]["status"] == "PASS"
-    assert rows["suite-rest"]["part"] == "rest" and "--skip" in rows["suite-rest"]["reason"]
+    assert rows["suite-rest"]["part"] == "suite" and "--skip" in rows["suite-rest"]["reason"]
     assert rows["no-wait"]["part"] == "kernels" and "no CUDA device" in rows["no-wait"]["reason"]
-    assert rows["sanitizer-memcheck"]["part"] == "rest" and "no CUDA device" in rows["sanitizer-memcheck"]["reason"]
+    assert rows["sanitizer-memcheck"]["part"] == "sanitize" and "no CUDA device" in rows["sanitizer-memcheck"]["reason"]
     md = (out / "summary.md").read_text()
     assert "| no-wait | kernels | SKIP |" in md and "**overall: PASS with skips**" in md
 

@@ -9,13 +9,14 @@
 #   wheels     install the peers' wheels carried in .whl/ (torchao, torch-optimi, flashoptim) into /tmp/site
 #   kernels    python -m bench.gpu --part kernels   (the whole build, the GPU-marked tests, no-wait; <= 275 s)
 #   probes     python -m bench.gpu --part probes    (sync-debug, graph capture, counts, big buffer, bench, loop)
-#   rest       python -m bench.gpu --part rest      (the rest of the suite, the four sanitizers; <= 285 s)
+#   suite      python -m bench.gpu --part suite     (the rest of the suite; <= 285 s)
+#   sanitize   python -m bench.gpu --part sanitize  (compute-sanitizer memcheck, racecheck, synccheck, initcheck)
 #   adafactor  python -m bench.adafactor --device cuda
 #   modes      the state modes on both GPU backends at GPT-2 small and 16Mx32 (each row kept as it ends)
 #   peers      the state modes and the installed peers at 4096kx32 (run wheels first)
 #   lion       python -m bench --optimizer lion --device cuda
 #   ncu        Nsight Compute over one steady-state K2 of fp32, +sr+bf16m, +q8m and +sr+q8m at GPT-2 small
-# Then, here: tar xzf gpu.tgz, python -m bench.gpu.merge bench/results/<device>-<date> kernels probes rest.
+# Then, here: tar xzf gpu.tgz, python -m bench.gpu.merge bench/results/<device>-<date> kernels probes suite sanitize.
 set -uo pipefail
 OUT=${1:?usage: bash bench/gpu/lease.sh OUT [STEP...]}
 shift
@@ -43,7 +44,7 @@ for s in $STEPS; do
   case $s in
     wheels) step wheels 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
             export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} ;;
-    kernels|probes|rest) step "$s" 310 "$PY" -m bench.gpu "$W/$s" --part "$s" ;;
+    kernels|probes|suite|sanitize) step "$s" 310 "$PY" -m bench.gpu "$W/$s" --part "$s" ;;
     adafactor) step adafactor 60 "$PY" -m bench.adafactor --device cuda --out "$W/bench" ;;
     modes) step modes 150 "$PY" -m bench --device cuda --workloads gpt2-small,16Mx32 --dtypes bf16 --clip on \
              --modes --variants torch-fused,ampfused-cuda,ampfused-triton --max-seconds 2 --no-plot --no-progress \
