@@ -32,9 +32,10 @@ from torch import Tensor
 from ..optim import _params as P
 from ..optim._adafactor_state import factor_placements, full_factor_shape
 from ..optim._base import FusedOptimizer
-from ..optim._segment import LOW_PRECISION, is_dtensor
+from ..optim._segment import is_dtensor
 from ..optim.adafactor import AdafactorMath, FusedAdafactor
 from . import _comm as C
+from .sharded import check_params
 
 _REDUCTIONS = ("mean", "sum", None)
 
@@ -101,32 +102,20 @@ class ShardedFusedAdafactor(torch.optim.Optimizer):
         defaults = AdafactorMath.adafactor_defaults(lr, beta2_decay, eps, d, weight_decay, foreach, maximize)
         P.check_max_grad_norm(max_grad_norm)
         groups = P.normalise_groups(params)
-        seen, devices = set(), set()
-        for gi, g in enumerate(groups):
-            for k, p in enumerate(g["params"]):
-                P.check_param(gi, k, p)
-                p = p[1] if isinstance(p, tuple) else p
-                if is_dtensor(p):
-                    raise ValueError(f"param_groups[{gi}]['params'][{k}] (shape {tuple(p.shape)}) is a DTensor: "
-                                     f"{type(self).__name__} shards replicated parameters (ZeRO-1); give FSDP2's "
-                                     "parameters to ampfused.FusedAdafactor instead")
-                if p.is_complex():
-                    raise RuntimeError("Adafactor does not support complex parameters")
-                if id(p) in seen:
-                    raise ValueError(f"param_groups[{gi}]['params'][{k}] (shape {tuple(p.shape)}) appears more than "
-                                     "once in the parameters; each parameter may be given once")
-                seen.add(id(p))
-                devices.add(p.device)
-                if master_weights is False and p.dtype in LOW_PRECISION:
-                    raise ValueError(f"master_weights=False with a {p.dtype} parameter of shape {tuple(p.shape)}: "
-                                     "low-precision parameters need fp32 master weights")
-        if len(devices) > 1:
-            raise ValueError(f"a sharded fused optimizer's parameters must all be on one device, got "
-                             f"{', '.join(sorted(map(str, devices)))}")
+
+        def check(gi, k, p):
+            if is_dtensor(p):
+                raise ValueError(f"param_groups[{gi}]['params'][{k}] (shape {tuple(p.shape)}) is a DTensor: "
+                                 f"{type(self).__name__} shards replicated parameters (ZeRO-1); give FSDP2's "
+                                 "parameters to ampfused.FusedAdafactor instead")
+            if p.is_complex():
+                raise RuntimeError("Adafactor does not support complex parameters")
+
+        device = check_params(groups, master_weights, check)
         super().__init__(groups, defaults)
         self.process_group, self.rank, self.world_size = group, rank, world
         self.grad_reduction = grad_reduction
-        self._device = devices.pop() if devices else torch.device("cpu")
+        self._device = device
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import DTensor, Shard
         self._mesh = DeviceMesh.from_group(group or torch.distributed.group.WORLD, self._device.type)

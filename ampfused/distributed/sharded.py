@@ -44,6 +44,31 @@ from ._sharded_state import export_sharded, import_sharded
 _REDUCTIONS = ("mean", "sum", None)
 
 
+def check_params(groups: List[dict], master_weights, check=None) -> torch.device:
+    """The rules of a ZeRO-1 optimizer's parameters (each a dense tensor given once, all on one device, and fp32
+    masters for low-precision ones unless ``master_weights`` is None or True; ``check(gi, k, p)`` the optimizer's
+    own), before any state exists; returns their device (the CPU when there are none)."""
+    seen, devices = set(), set()
+    for gi, g in enumerate(groups):
+        for k, p in enumerate(g["params"]):
+            P.check_param(gi, k, p)
+            p = p[1] if isinstance(p, tuple) else p
+            if check is not None:
+                check(gi, k, p)
+            if id(p) in seen:
+                raise ValueError(f"param_groups[{gi}]['params'][{k}] (shape {tuple(p.shape)}) appears more than "
+                                 "once in the parameters; each parameter may be given once")
+            seen.add(id(p))
+            devices.add(p.device)
+            if master_weights is False and p.dtype in LOW_PRECISION:
+                raise ValueError(f"master_weights=False with a {p.dtype} parameter of shape {tuple(p.shape)}: "
+                                 "low-precision parameters need fp32 master weights")
+    if len(devices) > 1:
+        raise ValueError(f"a sharded fused optimizer's parameters must all be on one device, got "
+                         f"{', '.join(sorted(map(str, devices)))}")
+    return devices.pop() if devices else torch.device("cpu")
+
+
 class ShardedFusedOptimizer(torch.optim.Optimizer):
     """Base of the ZeRO-1 fused optimizers; subclasses name the state buffers and call the step op."""
 
@@ -72,25 +97,11 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
         groups = P.normalise_groups(params)
         defaults = dict(defaults, max_grad_norm=max_grad_norm)
         self._validate_group(defaults, "")
-        seen, devices = set(), set()
+        device = check_params(groups, master_weights)
         for gi, g in enumerate(groups):
-            for k, p in enumerate(g["params"]):
-                P.check_param(gi, k, p)
-                p = p[1] if isinstance(p, tuple) else p
-                if id(p) in seen:
-                    raise ValueError(f"param_groups[{gi}]['params'][{k}] (shape {tuple(p.shape)}) appears more than "
-                                     "once in the parameters; each parameter may be given once")
-                seen.add(id(p))
-                devices.add(p.device)
-                if master_weights is False and p.dtype in LOW_PRECISION:
-                    raise ValueError(f"master_weights=False with a {p.dtype} parameter of shape {tuple(p.shape)}: "
-                                     "low-precision parameters need fp32 master weights")
             merged = dict(defaults, **{k: v for k, v in g.items() if k != "params"})
             self._validate_group(merged, f" in param_groups[{gi}]")
             P.check_lr(merged["lr"], f" in param_groups[{gi}]")
-        if len(devices) > 1:
-            raise ValueError(f"a sharded fused optimizer's parameters must all be on one device, got "
-                             f"{', '.join(sorted(map(str, devices)))}")
         self.process_group, self.rank, self.world_size = group, rank, world
         self.grad_reduction = grad_reduction
         self.master_weights = master_weights
@@ -100,7 +111,6 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
         self._keep_remainders = False  # set by a load: the next follow keeps the loaded remainders
         self._spaces: Optional[List[Space]] = None
         super().__init__(groups, defaults)
-        device = devices.pop() if devices else torch.device("cpu")
         f32 = dict(dtype=torch.float32, device=device)
         self._device = device
         self._stats = torch.zeros(2, **f32)  # [global norm, skipped] of the last step

@@ -128,40 +128,64 @@ def adafactor_step_(params: List[Tensor], grads: List[Optional[Tensor]], master:
     dimensions whatever its memory layout. State precision: an int16 ``master`` (remainders) or no master with
     a ``seed`` (stochastic rounding, stream 0) as in ``adam_step_``; ``factors`` stay fp32.
     """
-    cx = _Compact(params, master, [], seed)
-    cd = cx.cd
-    eps1 = EPS1_DEFAULT if eps1 is None else float(eps1)
-    coef, skip = _prologue(partials, inv_scale, max_norm, out_stats, cd)
-    w_offsets, _ = state_layout([p.numel() for p in params], cx.align)
-    f_offsets, _ = factor_layout([tuple(p.shape) for p in params])
-    eps1_sq = eps1 * eps1 if cd == torch.float64 else fp32(eps1 * eps1)
+    st = _Setup(params, master, seed, partials, inv_scale, max_norm, out_stats, eps1)
     for i, (p, grad) in enumerate(zip(params, grads)):
         if grad is None:
             continue
-        shape, n = tuple(p.shape), p.numel()
-        sl = slice(w_offsets[i], w_offsets[i] + n)
-        pm = memory_view(p)
-        w_buf = master[sl] if master is not None else pm
-        w = cx.load_weight(pm, w_buf)
-        # logical (row-major) copies of the gradient and weight: rows and columns are logical dimensions
-        g = grad.to(cd) * coef
+        x = _ParamStep(st, i, p, grad, master, steps, lr, beta2_decay, weight_decay, maximize, factors)
+        new_state, v = _second_moment(x.g, x.shape, factors[x.fsl], x.w2, st.eps1)
+        u = x.g / sqrt_rn(torch.clamp(v, min=st.eps1_sq))
+        w_sumsq = (x.w * x.w).sum()  # w: the compute copy in memory order (the order does not change the math)
+        u_sumsq = (u * u).sum()
+        x.apply(st, new_state, u, w_sumsq, u_sumsq, p.numel(), eps2, d, weight_decay, factors, steps)
+
+
+class _Setup:
+    """What every parameter's step shares: the compact-state helper, the clip coefficient and skip flag, the
+    layouts of the weights and the factors, and eps1 (and its square) in the compute dtype."""
+
+    def __init__(self, params, master, seed, partials, inv_scale, max_norm, out_stats, eps1):
+        self.cx = _Compact(params, master, [], seed)
+        self.cd = self.cx.cd
+        self.eps1 = EPS1_DEFAULT if eps1 is None else float(eps1)
+        self.coef, self.skip = _prologue(partials, inv_scale, max_norm, out_stats, self.cd)
+        self.w_offsets, _ = state_layout([p.numel() for p in params], self.cx.align)
+        self.f_offsets, _ = factor_layout([tuple(p.shape) for p in params])
+        self.eps1_sq = self.eps1 * self.eps1 if self.cd == torch.float64 else fp32(self.eps1 * self.eps1)
+
+
+class _ParamStep:
+    """Parameter ``i``'s inputs to its step: its weight (compute copy), its clipped gradient in logical
+    (row-major) order (rows and columns are logical dimensions), step ``t`` and its scalars, its factors' slice."""
+
+    def __init__(self, st: _Setup, i, p, grad, master, steps, lr, beta2_decay, weight_decay, maximize, factors):
+        self.i, self.shape = i, tuple(p.shape)
+        self.sl = slice(st.w_offsets[i], st.w_offsets[i] + p.numel())
+        self.pm = memory_view(p)
+        self.w_buf = master[self.sl] if master is not None else self.pm
+        self.w = st.cx.load_weight(self.pm, self.w_buf)
+        g = grad.to(st.cd) * st.coef
         if maximize:
             g = -g
-        t = steps[i].float() + 1
-        w2, rho, decay = step_scalars(t, lr, beta2_decay, weight_decay, cd)
-        fsl = slice(f_offsets[i], f_offsets[i] + factor_size(shape))
-        new_state, v = _second_moment(g.contiguous(), shape, factors[fsl], w2, eps1)
-        u = g.contiguous() / sqrt_rn(torch.clamp(v, min=eps1_sq))
-        w_sumsq = (w * w).sum()  # w: the compute copy in memory order (the order does not change the math)
-        u_sumsq = (u * u).sum()
+        self.g = g.contiguous()
+        self.t = steps[i].float() + 1
+        self.w2, self.rho, self.decay = step_scalars(self.t, lr, beta2_decay, weight_decay, st.cd)
+        self.fsl = slice(st.f_offsets[i], st.f_offsets[i] + factor_size(self.shape))
+        self.p = p
+
+    def apply(self, st: _Setup, new_state, u, w_sumsq, u_sumsq, n: int, eps2, d, weight_decay, factors, steps):
+        """The step size from the sums of squares (of a whole parameter of ``n`` elements), the update, the
+        factors and the step count, written unless the step is skipped."""
         root_n = math.sqrt(n)
-        alpha = _max(sqrt_rn(w_sumsq).double() / root_n, eps2) * rho
-        step = (alpha / _max(sqrt_rn(u_sumsq).double() / (root_n * d), 1.0)).to(cd)
-        u_mem = memory_view(torch.empty_like(p, dtype=cd).copy_(u.view(shape)))  # u in the parameter's memory order
-        w_new = w * decay if weight_decay != 0 else w
+        alpha = _max(sqrt_rn(w_sumsq).double() / root_n, eps2) * self.rho
+        step = (alpha / _max(sqrt_rn(u_sumsq).double() / (root_n * d), 1.0)).to(st.cd)
+        # u in the parameter's memory order
+        u_mem = memory_view(torch.empty_like(self.p, dtype=st.cd).copy_(u.view(self.shape)))
+        w_new = self.w * self.decay if weight_decay != 0 else self.w
         w_new = w_new - step * u_mem
-        _commit(skip, [(factors[fsl], new_state)] + cx.weight_pairs(pm, w_buf, w_new, t, sl))
-        steps[i] += (~skip).to(steps.dtype)
+        _commit(st.skip, [(factors[self.fsl], new_state)]
+                + st.cx.weight_pairs(self.pm, self.w_buf, w_new, self.t, self.sl))
+        steps[self.i] += (~st.skip).to(steps.dtype)
 
 
 def shard_sums(shape: Sequence[int], dim: Optional[int]) -> Tuple[bool, bool]:
@@ -191,80 +215,52 @@ def adafactor_step_sharded_(params: List[Tensor], grads: List[Optional[Tensor]],
     split, its row sums when its columns are. Two reductions per step for all parameters together, one before
     the update (those of the gradient and the weight) and one of ``u*u``. With one rank it is
     :func:`adafactor_step_` bit for bit; with more, the sums are added in another order (within the oracle rule)."""
-    cx = _Compact(params, master, [], seed)
-    cd = cx.cd
-    eps1 = EPS1_DEFAULT if eps1 is None else float(eps1)
-    coef, skip = _prologue(partials, inv_scale, max_norm, out_stats, cd)
-    w_offsets, _ = state_layout([p.numel() for p in params], cx.align)
-    f_offsets, _ = factor_layout([tuple(p.shape) for p in params])
-    eps1_sq = eps1 * eps1 if cd == torch.float64 else fp32(eps1 * eps1)
+    st = _Setup(params, master, seed, partials, inv_scale, max_norm, out_stats, eps1)
     work, first = [], []
     for i, (p, grad) in enumerate(zip(params, grads)):  # the gradient's and the weight's sums
         if grad is None:
             continue
-        shape, full = tuple(p.shape), tuple(full_shapes[i])
-        row_sums_partial, col_sums_partial = shard_sums(full, dims[i])
-        sl = slice(w_offsets[i], w_offsets[i] + p.numel())
-        pm = memory_view(p)
-        w_buf = master[sl] if master is not None else pm
-        w = cx.load_weight(pm, w_buf)
-        g = grad.to(cd) * coef
-        if maximize:
-            g = -g
-        g = g.contiguous()
-        t = steps[i].float() + 1
-        w2, rho, decay = step_scalars(t, lr, beta2_decay, weight_decay, cd)
-        fsl = slice(f_offsets[i], f_offsets[i] + factor_size(shape))
-        item = dict(i=i, shape=shape, full=full, sl=sl, pm=pm, w_buf=w_buf, w=w, g=g, t=t, w2=w2, rho=rho,
-                    decay=decay, fsl=fsl,                     w_sumsq=(w * w).sum().reshape(1))
-        sums = [item["w_sumsq"]]
-        if factored(shape):
-            b, r, c = factor_dims(shape)
-            g2 = (g * g).reshape(b, r, c)
-            item["row_sum"], item["col_sum"] = g2.sum(dim=2), g2.sum(dim=1)
+        x = _ParamStep(st, i, p, grad, master, steps, lr, beta2_decay, weight_decay, maximize, factors)
+        x.full = tuple(full_shapes[i])
+        row_sums_partial, col_sums_partial = shard_sums(x.full, dims[i])
+        x.w_sumsq = (x.w * x.w).sum().reshape(1)
+        sums = [x.w_sumsq]
+        if factored(x.shape):
+            b, r, c = factor_dims(x.shape)
+            g2 = (x.g * x.g).reshape(b, r, c)
+            x.row_sum, x.col_sum, x.rows = g2.sum(dim=2), g2.sum(dim=1), None
             if row_sums_partial:
-                sums.append(item["row_sum"])
+                sums.append(x.row_sum)
             if col_sums_partial:  # the rows here are whole: their new factors, and their sum for the mean
-                sums.append(item["col_sum"])
-                item["rows"] = _lerp(factors[fsl][:b * r].view(b, r), item["row_sum"] / full[-1], item["w2"])
-                item["rows_sum"] = item["rows"].sum(dim=1, keepdim=True)
-                sums.append(item["rows_sum"])
-        work.append(item)
+                sums.append(x.col_sum)
+                x.rows = _lerp(factors[x.fsl][:b * r].view(b, r), x.row_sum / x.full[-1], x.w2)
+                x.rows_sum = x.rows.sum(dim=1, keepdim=True)
+                sums.append(x.rows_sum)
+        work.append(x)
         first.extend(sums)
     _reduced(first, reduce)
     second = []
-    for item in work:  # the second moment, the update and its sum of squares
-        shape, full, g, w2, fsl = item["shape"], item["full"], item["g"], item["w2"], item["fsl"]
-        state = factors[fsl]
-        if factored(shape):
-            b, r, c = factor_dims(shape)
-            rows = item.get("rows")
-            if rows is None:
-                rows = _lerp(state[:b * r].view(b, r), item["row_sum"] / full[-1], w2)
-                item["rows_sum"] = rows.sum(dim=1, keepdim=True)
-            cols = _lerp(state[b * r:].view(b, c), item["col_sum"] / full[-2], w2)
-            rmean = torch.clamp(item["rows_sum"] / full[-2], min=eps1)
-            v = ((rows.unsqueeze(2) * cols.unsqueeze(1)) / rmean.unsqueeze(2)).reshape(shape)
-            item["new_state"] = torch.cat([rows.reshape(-1), cols.reshape(-1)])
+    for x in work:  # the second moment, the update and its sum of squares
+        state = factors[x.fsl]
+        if factored(x.shape):
+            b, r, c = factor_dims(x.shape)
+            if x.rows is None:
+                x.rows = _lerp(state[:b * r].view(b, r), x.row_sum / x.full[-1], x.w2)
+                x.rows_sum = x.rows.sum(dim=1, keepdim=True)
+            cols = _lerp(state[b * r:].view(b, c), x.col_sum / x.full[-2], x.w2)
+            rmean = torch.clamp(x.rows_sum / x.full[-2], min=st.eps1)
+            v = ((x.rows.unsqueeze(2) * cols.unsqueeze(1)) / rmean.unsqueeze(2)).reshape(x.shape)
+            x.new_state = torch.cat([x.rows.reshape(-1), cols.reshape(-1)])
         else:
-            v = _lerp(state.view(shape), g * g, w2)
-            item["new_state"] = v.reshape(-1)
-        item["u"] = g / sqrt_rn(torch.clamp(v, min=eps1_sq))
-        item["u_sumsq"] = (item["u"] * item["u"]).sum().reshape(1)
-        second.append(item["u_sumsq"])
+            v = _lerp(state.view(x.shape), x.g * x.g, x.w2)
+            x.new_state = v.reshape(-1)
+        x.u = x.g / sqrt_rn(torch.clamp(v, min=st.eps1_sq))
+        x.u_sumsq = (x.u * x.u).sum().reshape(1)
+        second.append(x.u_sumsq)
     _reduced(second, reduce)
-    for item in work:  # the step size and the update
-        i, p, shape = item["i"], params[item["i"]], item["shape"]
-        root_n = math.sqrt(math.prod(item["full"]))
-        alpha = _max(sqrt_rn(item["w_sumsq"][0]).double() / root_n, eps2) * item["rho"]
-        step = (alpha / _max(sqrt_rn(item["u_sumsq"][0]).double() / (root_n * d), 1.0)).to(cd)
-        u_mem = memory_view(torch.empty_like(p, dtype=cd).copy_(item["u"].view(shape)))
-        w = item["w"]
-        w_new = w * item["decay"] if weight_decay != 0 else w
-        w_new = w_new - step * u_mem
-        _commit(skip, [(factors[item["fsl"]], item["new_state"])]
-                + cx.weight_pairs(item["pm"], item["w_buf"], w_new, item["t"], item["sl"]))
-        steps[i] += (~skip).to(steps.dtype)
+    for x in work:  # the step size and the update
+        x.apply(st, x.new_state, x.u, x.w_sumsq[0], x.u_sumsq[0], math.prod(x.full), eps2, d, weight_decay, factors,
+                steps)
 
 
 def _reduced(parts: List[Tensor], reduce: Callable[[Tensor], None]) -> None:

@@ -53,3 +53,33 @@ def checkpoint_phase(model, opt, ckpt, phase: str, rank: int, first_steps) -> No
         for p, v in zip(model.parameters(), sd["model"]):
             p.copy_(v)
     opt.load_state_dict(sd["optim"])
+
+
+def adafactor_oracle(model, grads_of, steps: int, hyper: dict, max_norm, divisor: float = 1.0,
+                     init_scale: float = 2.0 ** 8) -> dict:
+    """The fp64 oracle of an Adafactor run (the reference step in fp64) on ``model``'s initial weights, with the
+    loss scale of ``ampfused.GradScaler(init_scale=..., growth_interval=1)``: ``grads_of(k)`` gives step ``k``'s
+    unscaled gradients, which the step divides by ``divisor``. Returns ``{"params"|"step"|<state key>: {name:
+    tensor}}``."""
+    import math
+
+    from ampfused.ops import reference
+    from ampfused.ops.reference_adafactor import adafactor_step_, factor_layout, factor_views
+    names = [n for n, _ in model.named_parameters()]
+    params = [p.detach().double() for p in model.parameters()]
+    factors = torch.zeros(factor_layout([p.shape for p in params])[1], dtype=torch.float64)
+    counts, stats, scale = torch.zeros(len(params)), torch.zeros(2), init_scale
+    eps1, eps2 = hyper["eps"]
+    for k in range(steps):
+        grads = [g.double() * scale for g in grads_of(k)]
+        inv = torch.tensor(1.0 / (scale * divisor))
+        partials = reference.norm_check(grads, inv)
+        adafactor_step_(params, grads, None, factors, counts, partials, inv, torch.tensor(hyper["lr"]), stats, -0.8,
+                        eps1, eps2, 1.0, hyper["weight_decay"], math.inf if max_norm is None else max_norm)
+        scale = scale * 0.5 if stats[1].item() else scale * 2.0
+    offs, _ = factor_layout([p.shape for p in params])
+    out = {"params": dict(zip(names, params)), "step": dict(zip(names, counts.unbind()))}
+    for name, p, o in zip(names, params, offs):
+        for key, v in factor_views(factors, o, p.shape).items():
+            out.setdefault(key, {})[name] = v
+    return out

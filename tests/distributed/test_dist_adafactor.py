@@ -6,11 +6,9 @@ gathered parameters and factors are the single-process step within the oracle ru
 are added in another order), the column factors every rank holds whole are the same bits on every rank, and a
 sharded checkpoint (torch.distributed.checkpoint) moves between world sizes.
 """
-import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -18,8 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import ampfused
-from ampfused.ops import reference
-from ampfused.ops.reference_adafactor import adafactor_step_, factor_layout, factor_views
+import dist_data as D
 from dist_harness import load, run_ranks, save
 from oracle import assert_bitwise, assert_close_to_oracle
 
@@ -100,24 +97,7 @@ def _single(dtype, max_norm, fp64=False):
         opt = ampfused.FusedAdafactor(model.parameters(), **HYPER, max_grad_norm=max_norm, backend="reference")
         _train(model, opt, scaler, range(STEPS))
         return _snapshot(model, opt), scaler.get_scale()
-    names = [n for n, _ in model.named_parameters()]
-    params = [p.detach().double() for p in model.parameters()]
-    factors = torch.zeros(factor_layout([p.shape for p in params])[1], dtype=torch.float64)
-    steps, stats, scale = torch.zeros(len(params)), torch.zeros(2), 2.0 ** 8
-    for k in range(STEPS):
-        grads = [g.double() * scale for g in _grads(k, model)]
-        inv = torch.tensor(1.0 / scale)
-        partials = reference.norm_check(grads, inv)
-        eps1, eps2 = HYPER["eps"]
-        adafactor_step_(params, grads, None, factors, steps, partials, inv, torch.tensor(HYPER["lr"]), stats,
-                        -0.8, eps1, eps2, 1.0, HYPER["weight_decay"], math.inf if max_norm is None else max_norm)
-        scale = scale * 0.5 if stats[1].item() else scale * 2.0
-    offs, _ = factor_layout([p.shape for p in params])
-    out = {"params": dict(zip(names, params)), "step": dict(zip(names, steps.unbind()))}
-    for name, p, o in zip(names, params, offs):
-        for key, v in factor_views(factors, o, p.shape).items():
-            out.setdefault(key, {})[name] = v
-    return out, scale
+    return D.adafactor_oracle(model, lambda k: _grads(k, model), STEPS, HYPER, max_norm), None
 
 
 @pytest.mark.parametrize("world,max_norm", [(2, None), (3, 0.5)])

@@ -6,14 +6,12 @@ Each rank gets its own gradients; the run equals the single-process FusedAdafact
 step is the oracle), parameters bit for bit the same on every rank. Its whole state dict loads at another world
 size and into FusedAdafactor and torch.optim.Adafactor; the parameters follow what the loop writes into them.
 """
-import math
 
 import pytest
 import torch
 
 import ampfused
-from ampfused.ops import reference
-from ampfused.ops.reference_adafactor import adafactor_step_, factor_layout, factor_views
+import dist_data as D
 from dist_harness import load, run_ranks, save
 from oracle import assert_bitwise, assert_close_to_oracle
 
@@ -104,24 +102,18 @@ def _single(world, max_norm, dtype=torch.float32, mean=True, **opts):
 def _oracle(world, max_norm, mean=True):
     """The fp64 reference step on the summed gradients, with the same scales, clip and skip."""
     model = _model()
-    names = [n for n, _ in model.named_parameters()]
-    params = [p.detach().double() for p in model.parameters()]
-    factors = torch.zeros(factor_layout([p.shape for p in params])[1], dtype=torch.float64)
-    steps, stats, scale = torch.zeros(len(params)), torch.zeros(2), 2.0 ** 8
-    for k in range(STEPS):
-        grads = [g.double() * scale for g in _summed(k, world, model, torch.float64)]
-        inv = torch.tensor(1.0 / (scale * (world if mean else 1)))
-        partials = reference.norm_check(grads, inv)
-        eps1, eps2 = HYPER["eps"]
-        adafactor_step_(params, grads, None, factors, steps, partials, inv, torch.tensor(HYPER["lr"]), stats,
-                        -0.8, eps1, eps2, 1.0, HYPER["weight_decay"], math.inf if max_norm is None else max_norm)
-        scale = scale * 0.5 if stats[1].item() else scale * 2.0
-    offs, _ = factor_layout([p.shape for p in params])
-    out = {"params": dict(zip(names, params)), "step": dict(zip(names, steps.unbind()))}
-    for name, p, o in zip(names, params, offs):
-        for key, v in factor_views(factors, o, p.shape).items():
-            out.setdefault(key, {})[name] = v
-    return out
+    return D.adafactor_oracle(model, lambda k: _summed(k, world, model, torch.float64), STEPS, HYPER, max_norm,
+                              divisor=world if mean else 1)
+
+
+def _assert_runs_match(got, ref32, ref64, keys=("params", "row_var", "col_var", "variance", "step")):
+    """Every rank's parameters and state against the single-process run within the oracle rule."""
+    for r, g in enumerate(got):
+        for key in keys:
+            assert sorted(g[key]) == sorted(ref32[key]), key
+            for name, a in g[key].items():
+                assert a.shape == ref32[key][name].shape, (key, name)
+                assert_close_to_oracle(f"rank {r}: {key}[{name}]", a, ref32[key][name], ref64[key][name])
 
 
 @pytest.mark.parametrize("world,max_norm,reduction", [(2, None, "mean"), (3, 0.5, "mean"), (2, 0.5, None)])
@@ -130,13 +122,9 @@ def test_zero1_adafactor_is_the_single_process_step(tmp_path, world, max_norm, r
     ref32, scale, _ = _single(world, max_norm)
     ref64 = _oracle(world, max_norm)
     got = load(tmp_path, world)
+    _assert_runs_match(got, ref32, ref64)
     for r, g in enumerate(got):
         assert g["scale"] == scale  # the skipped step backed off on every rank
-        for key in ("params", "row_var", "col_var", "variance", "step"):
-            assert sorted(g[key]) == sorted(ref32[key]), key
-            for name, a in g[key].items():
-                assert a.shape == ref32[key][name].shape, (key, name)
-                assert_close_to_oracle(f"rank {r}: {key}[{name}]", a, ref32[key][name], ref64[key][name])
         for name, a in g["params"].items():
             assert_bitwise(f"rank {r}: param {name} as rank 0's", a, got[0]["params"][name])
 
@@ -156,6 +144,17 @@ def test_zero1_adafactor_bf16_remainders_keep_a_share_of_the_state(tmp_path):
         whole = sum(t.numel() * t.element_size() for seg in single._segments
                     for t in (seg.master, seg.states["factors"], seg.steps) if t is not None)
         assert g["bytes"] < 0.75 * whole, (g["bytes"], whole)
+
+
+def _save_at_2_resume_at_3(tmp_path, worker, ckpt):
+    """``worker`` saves at 2 ranks after 2 steps and resumes at 3 for the last 2 (gradients summed, not
+    averaged); every rank's run is the single-process one within the oracle rule."""
+    (tmp_path / "w2").mkdir()
+    (tmp_path / "w3").mkdir()
+    run_ranks(worker, 2, str(tmp_path / "w2"), "save", ckpt)
+    run_ranks(worker, 3, str(tmp_path / "w3"), "load", ckpt)
+    ref32, _, _ = _single(2, None, mean=False)
+    _assert_runs_match(load(tmp_path / "w3", 3), ref32, _oracle(2, None, mean=False))
 
 
 def _resume_worker(rank, world, out, phase, ckpt):
@@ -183,17 +182,7 @@ def test_whole_state_dict_moves_between_world_sizes_and_optimizers(tmp_path):
     and take the last 2: the single-process run of 4 steps. The same state dict loads into FusedAdafactor and
     torch.optim.Adafactor."""
     ckpt = str(tmp_path / "ckpt.pt")
-    (tmp_path / "w2").mkdir()
-    (tmp_path / "w3").mkdir()
-    run_ranks(_resume_worker, 2, str(tmp_path / "w2"), "save", ckpt)
-    run_ranks(_resume_worker, 3, str(tmp_path / "w3"), "load", ckpt)
-    ref32, _, _ = _single(2, None, mean=False)
-    ref64 = _oracle(2, None, mean=False)
-    for r, g in enumerate(load(tmp_path / "w3", 3)):
-        for key in ("params", "row_var", "col_var", "variance", "step"):
-            assert sorted(g[key]) == sorted(ref32[key]), key
-            for name, a in g[key].items():
-                assert_close_to_oracle(f"rank {r}: {key}[{name}]", a, ref32[key][name], ref64[key][name])
+    _save_at_2_resume_at_3(tmp_path, _resume_worker, ckpt)
     saved = torch.load(ckpt, weights_only=False)
     model = _model()
     model.load_state_dict(saved["model"])
@@ -249,14 +238,4 @@ def _dcp_worker(rank, world, out, phase, ckpt):
 def test_dcp_checkpoint_moves_between_world_sizes(tmp_path):
     """torch.distributed.checkpoint with get/set_optimizer_state_dict: saved by 2 ranks, loaded by 3, the run
     goes on as the single-process one."""
-    ckpt = str(tmp_path / "ckpt")
-    (tmp_path / "w2").mkdir()
-    (tmp_path / "w3").mkdir()
-    run_ranks(_dcp_worker, 2, str(tmp_path / "w2"), "save", ckpt)
-    run_ranks(_dcp_worker, 3, str(tmp_path / "w3"), "load", ckpt)
-    ref32, _, _ = _single(2, None, mean=False)
-    ref64 = _oracle(2, None, mean=False)
-    for r, g in enumerate(load(tmp_path / "w3", 3)):
-        for key in ("params", "row_var", "col_var", "variance", "step"):
-            for name, a in g[key].items():
-                assert_close_to_oracle(f"rank {r}: {key}[{name}]", a, ref32[key][name], ref64[key][name])
+    _save_at_2_resume_at_3(tmp_path, _dcp_worker, str(tmp_path / "ckpt"))
