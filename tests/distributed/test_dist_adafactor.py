@@ -25,11 +25,16 @@ STEPS = 4
 SKIP = 2  # the step whose gradient has an inf on the last rank: every rank skips it
 
 
+class _Net(torch.nn.Sequential):
+    def forward(self, x):  # (the 3-D weight joins the output, so backward gives it a gradient)
+        return super().forward(x) + 0.01 * self.kernel.square().sum()
+
+
 def _model(dtype=torch.float32):
     """Matrices of 16, 5 and 1 rows (3 ranks hold 6/5/5, 2/2/1 and 1/0/0 of them), vectors, and a 3-D weight."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5), torch.nn.Tanh(),
-                                torch.nn.Linear(5, 1))
+    model = _Net(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5), torch.nn.Tanh(),
+                 torch.nn.Linear(5, 1))
     model.register_parameter("kernel", torch.nn.Parameter(torch.randn(3, 4, 5) * 0.1))
     return model.to(dtype)
 
@@ -195,3 +200,52 @@ def _refused(rank, world):
 
 def test_parameters_split_along_two_dimensions_are_refused(tmp_path):
     run_ranks(_refused, 2)
+
+
+def _loop_worker(rank, world, out, kind):
+    """A real loop: forward and backward on this rank's rows of each batch, FSDP2 (or DDP with ZeRO-1)
+    reducing the gradients, the scaler, clipping."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = _model()
+    if kind == "fsdp2":
+        fully_shard(model)
+        opt = ampfused.FusedAdafactor(model.parameters(), **HYPER, max_grad_norm=1.0)
+    else:
+        model = DDP(model)
+        opt = ampfused.ShardedFusedAdafactor(model.parameters(), **HYPER, max_grad_norm=1.0, grad_reduction=None)
+    scaler = ampfused.GradScaler("cpu", init_scale=2.0 ** 8)
+    for x, y in _batches():
+        rows = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+        scaler.scale(_loss(model, x[rows], y[rows])).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    module = model.module if kind == "ddp" else model
+    save(out, rank, {n: _full(p.detach()).clone() for n, p in module.named_parameters()})
+
+
+def _batches():
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(12, 8, generator=g), torch.randn(12, 1, generator=g)) for _ in range(3)]
+
+
+def _loss(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
+def test_a_training_loop_with_backward_is_the_single_process_one(tmp_path, kind):
+    """FusedAdafactor under FSDP2, and ShardedFusedAdafactor under DDP, in a loop with backward on 2 ranks: the
+    single-process run on the whole batches, up to the gradients' own rounding (the ranks' means of halves)."""
+    run_ranks(_loop_worker, 2, str(tmp_path), kind)
+    model = _model()
+    opt = ampfused.FusedAdafactor(model.parameters(), **HYPER, max_grad_norm=1.0)
+    scaler = ampfused.GradScaler("cpu", init_scale=2.0 ** 8)
+    for x, y in _batches():
+        scaler.scale(_loss(model, x, y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    for r, got in enumerate(load(tmp_path, 2)):
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=f"rank {r}: {name}")
