@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..optim import _params as P
-from ..optim._adafactor_state import factor_placements, full_factor_shape
+from ..optim._adafactor_state import _contiguous_strides, factor_placements, full_factor_shape
 from ..optim._base import FusedOptimizer
 from ..optim._segment import is_dtensor
 from ..optim.adafactor import AdafactorMath, FusedAdafactor
@@ -47,14 +47,6 @@ def _pieces(t: Tensor, world: int) -> List[Tensor]:
     while len(parts) < world:
         parts.append(t.narrow(0, t.shape[0], 0))
     return parts
-
-
-def _contiguous_strides(shape) -> tuple:
-    strides, k = [], 1
-    for n in reversed(tuple(shape)):
-        strides.append(k)
-        k *= max(1, n)
-    return tuple(reversed(strides))
 
 
 class _Space:
