@@ -2,7 +2,9 @@
 scaler (so never handing bf16 gradients to GradScaler.unscale_, which torch's CUDA kernel refuses); a peer that
 differs from the reference by its design is timed with its deviation shown, a wrong one is dropped; every
 installed peer runs its check on the CPU, flashoptim excepted (its quantization needs CUDA)."""
+import csv
 import os
+import subprocess
 import sys
 
 import pytest
@@ -152,3 +154,22 @@ def test_flashoptim_needs_cuda():
     flash = next(p for p in peers.PEERS if p.name == "flashoptim-adamw")
     with pytest.raises(Unavailable, match="CUDA"):
         peers.PeerVariant(flash).build(inst, params)
+
+
+def test_lion_benchmark_times_the_installed_peers(tmp_path):
+    """``python -m bench --optimizer lion`` on a tiny workload: torch's recipe, every FusedLion mode (each held
+    against the reference before it is timed) and the installed peers, bitsandbytes' 8-bit Lion among them with
+    its 1 + 4/256 bytes of state per parameter."""
+    r = subprocess.run([sys.executable, "-m", "bench", "--optimizer", "lion", "--device", "cpu", "--workloads",
+                        "4kx2", "--max-seconds", "0.2", "--reps", "2", "--no-progress", "--out", str(tmp_path),
+                        "--name", "t"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(tmp_path / "t-lion.csv", newline="") as f:
+        rows = {row["variant"]: row for row in csv.DictReader(f)}
+    assert {"torch-lion-foreach", "ampfused-cpu", "ampfused-cpu+sr+q8m"} <= set(rows)
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        assert "bnb-lion8bit: not installed (pip install bitsandbytes)" in r.stdout
+    else:
+        assert float(rows["bnb-lion8bit"]["state_bytes_per_param"]) == round(1 + 4 / 256, 3)

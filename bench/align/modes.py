@@ -31,7 +31,7 @@ to the same bar: Lion (one moment, 4 B in fp32) with remainders, bf16 or 8-bit m
 and 3x the weight decay (Lion's update has a unit norm per element); Adafactor (factored second moment: a row and
 a column vector per matrix, no per-element state) with remainders or no master, its relative step size ``lr``
 1e-2 on the run's schedule. Lion's peers: optimi's ``Lion`` on the bf16 weights (2 B), with its Kahan
-compensation (4 B). Results go to ``<out>/align-modes-<optimizer>-<device>.{csv,txt}``.
+compensation (4 B), and bitsandbytes' ``Lion8bit`` (1.02 B: every tensor's moment in 8 bits). Results go to ``<out>/align-modes-<optimizer>-<device>.{csv,txt}``.
 """
 from __future__ import annotations
 
@@ -89,9 +89,11 @@ CONTROLS = {
     "adafactor": ("ampfused-adafactor+sr", "ampfused-adafactor+sr~seed1", dict(bf16_stochastic_round=True, seed=1), 0),
 }
 ADAFACTOR_LR = 1e-2  # torch.optim.Adafactor's default relative step size, at the schedule's peak
-LION_PEERS = {  # run -> (module, class, options, state bytes per bf16 parameter): optimi's Lion on bf16 weights
+LION_PEERS = {  # run -> (module, class, options, state bytes per bf16 parameter): optimi's Lion on bf16 weights,
+    # bitsandbytes' 8-bit Lion (every tensor's moment in 8-bit codes with an fp32 absmax per 256 elements)
     "optimi-lion": ("optimi", "Lion", dict(kahan_sum=False), 2),
     "optimi-lion-kahan": ("optimi", "Lion", dict(kahan_sum=True), 4),
+    "bnb-lion8bit": ("bitsandbytes.optim", "Lion8bit", dict(min_8bit_size=0), 1 + 4 / 256),
 }
 
 

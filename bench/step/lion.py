@@ -8,6 +8,9 @@ Every variant steps a bf16 model (``--workloads <N>[k|M]x<tensors>``, default 4M
   ``torch._foreach_*`` ops (optimi's order: decay, signed step, moment), the masters copied back;
 * ``optimi-lion`` (torch-optimi installed): optimi's ``Lion`` on the bf16 parameters themselves (its Kahan
   compensation in bf16), after the same unscale + clip;
+* ``bnb-lion8bit`` (bitsandbytes installed): its ``Lion8bit`` on the bf16 parameters, every tensor's moment in
+  8-bit codes with one fp32 absmax per 256 elements (``min_8bit_size=0``; by default it keeps tensors under 4096
+  elements in fp32), after the same unscale + clip;
 * ``ampfused-<backend>[+mode]``: :class:`ampfused.FusedLion`, one step call (K1 + K2; the scaler's inverse scale
   handed over as :class:`ampfused.GradScaler` hands it).
 
@@ -17,8 +20,6 @@ reference backend on copies): bitwise in the deterministic modes (fp32 master, r
 """
 from __future__ import annotations
 
-import copy
-import math
 import os
 from typing import Callable, Dict, List, Optional
 
@@ -83,12 +84,32 @@ def _torch_lion(params, scaled: bool) -> Callable[[], None]:
     return step
 
 
+PEER_DIST = {"optimi-lion": "torch-optimi", "bnb-lion8bit": "bitsandbytes"}
+
+
 def _optimi_lion(params, scaled: bool) -> Optional[Callable[[], None]]:
     try:
         import optimi
     except ImportError:
         return None
     opt = optimi.Lion(params, lr=LR, betas=BETAS, weight_decay=WD, foreach=True, triton=False)
+
+    @torch.no_grad()
+    def step():
+        if scaled:
+            torch._foreach_mul_([p.grad for p in params], 1.0 / SCALE)
+        norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+        if torch.isfinite(norm).item():
+            opt.step()
+    return step
+
+
+def _bnb_lion8bit(params, scaled: bool) -> Optional[Callable[[], None]]:
+    try:
+        import bitsandbytes
+    except ImportError:
+        return None
+    opt = bitsandbytes.optim.Lion8bit(params, lr=LR, betas=BETAS, weight_decay=WD, min_8bit_size=0)
 
     @torch.no_grad()
     def step():
@@ -147,7 +168,8 @@ def main(args, device: torch.device) -> int:
         base = _model(per, count, device)
         grads = _grads(base, scaled)
         variants = [("torch-lion-foreach", lambda ps: _torch_lion(ps, scaled), "fp32", 4.0),
-                    ("optimi-lion", lambda ps: _optimi_lion(ps, scaled), "kahan", 2.0)]
+                    ("optimi-lion", lambda ps: _optimi_lion(ps, scaled), "kahan", 2.0),
+                    ("bnb-lion8bit", lambda ps: _bnb_lion8bit(ps, scaled), "bnb8", 1 + 4 / 256)]
         for be in backends[:1]:
             for suffix, (options, master, mb) in MODES.items():
                 _check_against_reference(base, grads, scaled, be, options)
@@ -159,12 +181,15 @@ def main(args, device: torch.device) -> int:
                 p.grad = g
             step = make(params)
             if step is None:
-                notes.append(f"{name}: not installed (pip install torch-optimi)")
+                notes.append(f"{name}: not installed (pip install {PEER_DIST.get(name, 'torch-optimi')})")
                 continue
             t = measure.time_steps(step, lambda: None, device, warmup, reps, max_s)
             if master == "kahan":  # optimi on bf16 weights: weight and compensation read + written
                 bpp = 2 + 2 * 2 + 2 * 2 + 2 * mb
                 state = 2 + mb  # the compensation and the moment, both bf16
+            elif master == "bnb8":  # bf16 weights read + written, the gradient read, codes and absmax read + written
+                bpp = 2 + 2 * 2 + 2 * mb
+                state = mb
             else:
                 bpp = lion_bytes_per_param(torch.bfloat16, torch.bfloat16, master, mb)
                 state = lion_state_bytes_per_param(master, mb)
