@@ -159,7 +159,7 @@ def test_flashoptim_needs_cuda():
 def test_lion_benchmark_times_the_installed_peers(tmp_path):
     """``python -m bench --optimizer lion`` on a tiny workload: torch's recipe, every FusedLion mode (each held
     against the reference before it is timed) and the installed peers, bitsandbytes' 8-bit Lion among them with
-    its 1 + 4/256 bytes of state per parameter."""
+    its 1 + 4/256 bytes of state per parameter (flashoptim's FlashLion runs on CUDA only)."""
     r = subprocess.run([sys.executable, "-m", "bench", "--optimizer", "lion", "--device", "cpu", "--workloads",
                         "4kx2", "--max-seconds", "0.2", "--reps", "2", "--no-progress", "--out", str(tmp_path),
                         "--name", "t"], cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -167,6 +167,7 @@ def test_lion_benchmark_times_the_installed_peers(tmp_path):
     with open(tmp_path / "t-lion.csv", newline="") as f:
         rows = {row["variant"]: row for row in csv.DictReader(f)}
     assert {"torch-lion-foreach", "ampfused-cpu", "ampfused-cpu+sr+q8m"} <= set(rows)
+    assert "flashoptim-lion: CUDA only" in r.stdout
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:

@@ -11,6 +11,9 @@ Every variant steps a bf16 model (``--workloads <N>[k|M]x<tensors>``, default 4M
 * ``bnb-lion8bit`` (bitsandbytes installed): its ``Lion8bit`` on the bf16 parameters, every tensor's moment in
   8-bit codes with one fp32 absmax per 256 elements (``min_8bit_size=0``; by default it keeps tensors under 4096
   elements in fp32), after the same unscale + clip;
+* ``flashoptim-lion`` (flashoptim installed, CUDA only): its ``FlashLion`` on the bf16 parameters (its defaults:
+  quantized moment, 24-bit master weights as a correction byte beside each bf16 weight), state bytes measured from
+  its state tensors, after the same unscale + clip;
 * ``ampfused-<backend>[+mode]``: :class:`ampfused.FusedLion`, one step call (K1 + K2; the scaler's inverse scale
   handed over as :class:`ampfused.GradScaler` hands it).
 
@@ -84,7 +87,7 @@ def _torch_lion(params, scaled: bool) -> Callable[[], None]:
     return step
 
 
-PEER_DIST = {"optimi-lion": "torch-optimi", "bnb-lion8bit": "bitsandbytes"}
+PEER_DIST = {"optimi-lion": "torch-optimi", "bnb-lion8bit": "bitsandbytes", "flashoptim-lion": "flashoptim"}
 
 
 def _optimi_lion(params, scaled: bool) -> Optional[Callable[[], None]]:
@@ -119,6 +122,34 @@ def _bnb_lion8bit(params, scaled: bool) -> Optional[Callable[[], None]]:
         if torch.isfinite(norm).item():
             opt.step()
     return step
+
+
+def _flash_lion(params, scaled: bool) -> Optional[Callable[[], None]]:
+    if params[0].device.type != "cuda":  # (its quantization needs a GPU)
+        return None
+    try:
+        import flashoptim
+    except ImportError:
+        return None
+    opt = flashoptim.FlashLion(params, lr=LR, betas=BETAS, weight_decay=WD)
+
+    @torch.no_grad()
+    def step():
+        if scaled:
+            torch._foreach_mul_([p.grad for p in params], 1.0 / SCALE)
+        norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+        if torch.isfinite(norm).item():
+            opt.step()
+    step.opt = opt
+    return step
+
+
+def _measured_state(opt, n: int) -> float:
+    """Bytes of the storages behind an optimizer's state tensors (quantized containers' inner tensors), per
+    parameter: after a step, when the state exists."""
+    from .runner import _leaves
+    tensors = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return measure.storage_bytes([x for t in tensors for x in _leaves(t)]) / n
 
 
 def _ampfused(params, scaled: bool, backend: str, options: dict):
@@ -169,7 +200,8 @@ def main(args, device: torch.device) -> int:
         grads = _grads(base, scaled)
         variants = [("torch-lion-foreach", lambda ps: _torch_lion(ps, scaled), "fp32", 4.0),
                     ("optimi-lion", lambda ps: _optimi_lion(ps, scaled), "kahan", 2.0),
-                    ("bnb-lion8bit", lambda ps: _bnb_lion8bit(ps, scaled), "bnb8", 1 + 4 / 256)]
+                    ("bnb-lion8bit", lambda ps: _bnb_lion8bit(ps, scaled), "bnb8", 1 + 4 / 256),
+                    ("flashoptim-lion", lambda ps: _flash_lion(ps, scaled), "measured", 0.0)]
         for be in backends[:1]:
             for suffix, (options, master, mb) in MODES.items():
                 _check_against_reference(base, grads, scaled, be, options)
@@ -181,15 +213,17 @@ def main(args, device: torch.device) -> int:
                 p.grad = g
             step = make(params)
             if step is None:
-                notes.append(f"{name}: not installed (pip install {PEER_DIST.get(name, 'torch-optimi')})")
+                why = "CUDA only" if name == "flashoptim-lion" and device.type != "cuda" else \
+                    f"not installed (pip install {PEER_DIST.get(name, 'torch-optimi')})"
+                notes.append(f"{name}: {why}")
                 continue
             t = measure.time_steps(step, lambda: None, device, warmup, reps, max_s)
             if master == "kahan":  # optimi on bf16 weights: weight and compensation read + written
                 bpp = 2 + 2 * 2 + 2 * 2 + 2 * mb
                 state = 2 + mb  # the compensation and the moment, both bf16
-            elif master == "bnb8":  # bf16 weights read + written, the gradient read, codes and absmax read + written
-                bpp = 2 + 2 * 2 + 2 * mb
-                state = mb
+            elif master in ("bnb8", "measured"):  # bf16 weights read + written, the gradient read, the state
+                state = mb if master == "bnb8" else _measured_state(step.opt, n)  # read + written
+                bpp = 2 + 2 * 2 + 2 * state
             else:
                 bpp = lion_bytes_per_param(torch.bfloat16, torch.bfloat16, master, mb)
                 state = lion_state_bytes_per_param(master, mb)
