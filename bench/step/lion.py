@@ -90,49 +90,9 @@ def _torch_lion(params, scaled: bool) -> Callable[[], None]:
 PEER_DIST = {"optimi-lion": "torch-optimi", "bnb-lion8bit": "bitsandbytes", "flashoptim-lion": "flashoptim"}
 
 
-def _optimi_lion(params, scaled: bool) -> Optional[Callable[[], None]]:
-    try:
-        import optimi
-    except ImportError:
-        return None
-    opt = optimi.Lion(params, lr=LR, betas=BETAS, weight_decay=WD, foreach=True, triton=False)
-
-    @torch.no_grad()
-    def step():
-        if scaled:
-            torch._foreach_mul_([p.grad for p in params], 1.0 / SCALE)
-        norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
-        if torch.isfinite(norm).item():
-            opt.step()
-    return step
-
-
-def _bnb_lion8bit(params, scaled: bool) -> Optional[Callable[[], None]]:
-    try:
-        import bitsandbytes
-    except ImportError:
-        return None
-    opt = bitsandbytes.optim.Lion8bit(params, lr=LR, betas=BETAS, weight_decay=WD, min_8bit_size=0)
-
-    @torch.no_grad()
-    def step():
-        if scaled:
-            torch._foreach_mul_([p.grad for p in params], 1.0 / SCALE)
-        norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
-        if torch.isfinite(norm).item():
-            opt.step()
-    return step
-
-
-def _flash_lion(params, scaled: bool) -> Optional[Callable[[], None]]:
-    if params[0].device.type != "cuda":  # (its quantization needs a GPU)
-        return None
-    try:
-        import flashoptim
-    except ImportError:
-        return None
-    opt = flashoptim.FlashLion(params, lr=LR, betas=BETAS, weight_decay=WD)
-
+def _peer_step(opt, params, scaled: bool) -> Callable[[], None]:
+    """A peer's step as the bf16 recipes run it: the gradients unscaled, torch's clip, the step unless the norm
+    is not finite (read on the host); ``step.opt`` is the optimizer."""
     @torch.no_grad()
     def step():
         if scaled:
@@ -142,6 +102,34 @@ def _flash_lion(params, scaled: bool) -> Optional[Callable[[], None]]:
             opt.step()
     step.opt = opt
     return step
+
+
+def _optimi_lion(params, scaled: bool) -> Optional[Callable[[], None]]:
+    try:
+        import optimi
+    except ImportError:
+        return None
+    return _peer_step(optimi.Lion(params, lr=LR, betas=BETAS, weight_decay=WD, foreach=True, triton=False), params,
+                      scaled)
+
+
+def _bnb_lion8bit(params, scaled: bool) -> Optional[Callable[[], None]]:
+    try:
+        import bitsandbytes
+    except ImportError:
+        return None
+    return _peer_step(bitsandbytes.optim.Lion8bit(params, lr=LR, betas=BETAS, weight_decay=WD, min_8bit_size=0),
+                      params, scaled)
+
+
+def _flash_lion(params, scaled: bool) -> Optional[Callable[[], None]]:
+    if params[0].device.type != "cuda":  # (its quantization needs a GPU)
+        return None
+    try:
+        import flashoptim
+    except ImportError:
+        return None
+    return _peer_step(flashoptim.FlashLion(params, lr=LR, betas=BETAS, weight_decay=WD), params, scaled)
 
 
 def _measured_state(opt, n: int) -> float:
