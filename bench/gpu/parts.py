@@ -4,8 +4,9 @@ A leased GPU machine comes for 15 minutes, its start included, at most 10 minute
 80 to 120 s on the 16 cores of an H200 machine (measured 2026-11-27: its last eight objects 77 s after a first
 attempt was stopped at 39 s), so the check runs as four parts of at most 300 s: ``kernels`` first on a fresh
 machine (the build, the GPU-marked tests, the no-wait tests), then ``probes``, ``suite`` (the rest of the suite)
-and ``sanitize`` on the same machine, whose build finds nothing to do. Two or three of them fit one lease. ``python -m bench.gpu OUT --part NAME`` runs one part (its stages within the
-part's budget; the stages' own limits, or the part's, add up to it); ``python -m bench.gpu.merge OUT PART_DIR...``
+and ``sanitize`` on the same machine, whose build finds nothing to do; two or three of them fit one lease.
+``python -m bench.gpu OUT --part NAME`` runs one part (its stages within the part's budget; the stages' own
+limits, or the part's, add up to it); ``python -m bench.gpu.merge OUT PART_DIR...``
 then writes one ``summary.md`` and ``summary.json`` over the parts' folders: each stage's row comes from the part
 that ran it (a part that only skipped it, "not selected", gives no row), ``env`` and ``build``, which every part
 runs, from the first part that ran them unless a later one failed there.
