@@ -6,7 +6,8 @@
 # OUT/gpu.tgz, so a stopped command still returns the steps before. Each step has its own time limit.
 #
 # Steps (default: kernels probes adafactor; at most 490 s, within one 10-minute command):
-#   wheels     install the peers' wheels carried in .whl/ (torchao, torch-optimi, flashoptim) into /tmp/site
+#   wheels     install the peers' wheels carried in .whl/ (torchao, torch-optimi, flashoptim, bitsandbytes; pip
+#              download --no-deps ".[peers]"'s pins) into /tmp/site
 #   kernels    python -m bench.gpu --part kernels   (the whole build, the GPU-marked tests, no-wait; <= 275 s)
 #   probes     python -m bench.gpu --part probes    (sync-debug, graph capture, counts, big buffer, bench, loop)
 #   suite      python -m bench.gpu --part suite     (the rest of the suite; <= 285 s)
