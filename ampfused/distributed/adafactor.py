@@ -197,9 +197,11 @@ class ShardedFusedAdafactor(torch.optim.Optimizer):
                     shard.grad = None
                     continue
                 local = shard._local_tensor
+                # a view where it can be (the piece laid out as the shard's local tensor): the reduced buffer, or
+                # the gradient, holds it until the step has read it
                 piece = s.slot(s.shard, None, j, local) if self.grad_reduction is not None else \
                     _pieces(g, self.world_size)[self.rank]
-                shard.grad = type(shard).from_local(piece.clone(), shard.device_mesh, shard.placements,
+                shard.grad = type(shard).from_local(piece.contiguous(), shard.device_mesh, shard.placements,
                                                     run_check=False, shape=shard.shape, stride=shard.stride())
 
     @torch.no_grad()
