@@ -32,10 +32,11 @@ from torch import Tensor
 from ..optim import _params as P
 from ..optim._adafactor_state import _contiguous_strides, factor_placements, full_factor_shape
 from ..optim._base import FusedOptimizer
+from ..optim._state import run_load_pre_hooks, state_dict_with_hooks
 from ..optim._segment import is_dtensor
 from ..optim.adafactor import AdafactorMath, FusedAdafactor
 from . import _comm as C
-from .sharded import check_params
+from .sharded import check_params, unscale_all_ranks
 
 _REDUCTIONS = ("mean", "sum", None)
 
@@ -52,14 +53,13 @@ def _pieces(t: Tensor, world: int) -> List[Tensor]:
 class _Space:
     """The parameters of one dtype: where each rank's piece of each lies in the communication buffers."""
 
-    def __init__(self, params: List[Tensor], world: int, rank: int):
+    def __init__(self, params: List[Tensor], world: int):
         self.params = params
         self.offsets, total = [], 0
         for p in params:
             self.offsets.append(total)
             total += _pieces(p, world)[0].numel()  # the first rank's piece is the largest
         self.region = max(1, total)
-        self.world, self.rank = world, rank
         dtype, device = params[0].dtype, params[0].device
         self.comm = torch.zeros(world * self.region, dtype=dtype, device=device)
         self.shard = torch.zeros(self.region, dtype=dtype, device=device)
@@ -127,13 +127,12 @@ class ShardedFusedAdafactor(torch.optim.Optimizer):
                                      backend=backend, spike_guard=spike_guard,
                                      store_param_remainders=store_param_remainders,
                                      bf16_stochastic_round=bf16_stochastic_round, seed=seed)
-        self.max_grad_norm = max_grad_norm
         self.spike_guard = spike_guard
         by_dtype: Dict[torch.dtype, List[Tensor]] = {}
         for g in self.param_groups:
             for p in g["params"]:
                 by_dtype.setdefault(p.dtype, []).append(p)
-        self._spaces = [_Space(ps, world, rank) for ps in by_dtype.values()]
+        self._spaces = [_Space(ps, world) for ps in by_dtype.values()]
         self._versions: Dict[int, int] = {}
         self._remember()
 
@@ -183,13 +182,17 @@ class ShardedFusedAdafactor(torch.optim.Optimizer):
                                        f"{g.dtype} ({g.layout}) of shape {tuple(g.shape)}; sharded fused optimizers "
                                        "take dense gradients of their parameter's dtype and shape")
             if self.grad_reduction is not None and any(g is not None for g in grads):
+                dst, src, empty = [], [], []
                 for j, (p, g) in enumerate(zip(s.params, grads)):
                     for r, piece in enumerate(_pieces(g if g is not None else p.detach(), self.world_size)):
-                        dst = s.slot(s.comm, r, j, piece)
-                        if g is not None:
-                            dst.copy_(piece)
-                        else:
-                            dst.zero_()
+                        if piece.numel():
+                            (dst if g is not None else empty).append(s.slot(s.comm, r, j, piece))
+                            if g is not None:
+                                src.append(piece)
+                if dst:
+                    torch._foreach_copy_(dst, src)
+                if empty:
+                    torch._foreach_zero_(empty)
                 C.reduce_scatter_sum(s.shard, s.comm, self.process_group)
             for j, (p, g) in enumerate(zip(s.params, grads)):
                 shard = self._shards[id(p)]
@@ -208,15 +211,18 @@ class ShardedFusedAdafactor(torch.optim.Optimizer):
     def _gather(self) -> None:
         """Every rank's updated pieces into every rank's parameters (one all-gather per dtype)."""
         for s in self._spaces:
-            for j, p in enumerate(s.params):
-                local = self._shards[id(p)]._local_tensor
-                s.slot(s.shard, None, j, local).copy_(local)
+            locals_ = [self._shards[id(p)]._local_tensor for p in s.params]
+            torch._foreach_copy_([s.slot(s.shard, None, j, x) for j, x in enumerate(locals_)], locals_)
             C.all_gather(s.comm, s.shard, self.process_group)
+            dst, src = [], []
             for j, p in enumerate(s.params):
                 whole = p.detach().reshape(1) if p.dim() == 0 else p.detach()
                 for r, piece in enumerate(_pieces(whole, self.world_size)):
                     if piece.numel():
-                        piece.copy_(s.slot(s.comm, r, j, piece))
+                        dst.append(piece)
+                        src.append(s.slot(s.comm, r, j, piece))
+            if dst:
+                torch._foreach_copy_(dst, src)
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_divisor=None, loss: Optional[Tensor] = None):
@@ -259,17 +265,9 @@ class ShardedFusedAdafactor(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _ampfused_unscale_(self, inv_scale: Tensor, grad_divisor=None) -> Tensor:
-        """For ``GradScaler.unscale_``: unscale this rank's gradients in place and return the overflow flag of
-        all ranks (all-reduced)."""
-        from .. import ops
-        FusedOptimizer._check_divisor(grad_divisor)
-        inv_scale = FusedOptimizer._divide(inv_scale.to(self._device), grad_divisor)
-        grads = [p.grad for p in self._params() if p.grad is not None]
-        flag = torch.zeros((), device=self._device)
-        if grads:
-            dtypes = tuple(sorted({str(g.dtype) for g in grads}))
-            flag = ops.call_k1("unscale_", grads, inv_scale, dtypes, self._inner.backend)[1].sum()
-        return (C.all_reduce_sum_(flag.reshape(1), self.process_group) > 0).float().reshape(())
+        """For ``GradScaler.unscale_``: this rank's gradients unscaled in place, the overflow flag of all ranks."""
+        return unscale_all_ranks(self._params(), inv_scale, grad_divisor, self._device, self._inner.backend,
+                                 self.process_group)
 
     def _ampfused_device(self) -> torch.device:
         return self._device
@@ -297,15 +295,18 @@ class ShardedFusedAdafactor(torch.optim.Optimizer):
     @torch.no_grad()
     def state_dict(self) -> dict:
         """The whole state in ``torch.optim.Adafactor``'s layout (``FusedAdafactor``'s keys), gathered from every
-        rank: a collective. It loads into any world size, into ``FusedAdafactor`` and into torch's."""
-        inner = self._inner.state_dict()
+        rank: a collective. It loads into any world size, into ``FusedAdafactor`` and into torch's. torch's state
+        dict hooks run as for any optimizer."""
+        return state_dict_with_hooks(self, ShardedFusedAdafactor._export)
+
+    def _export(self) -> dict:
+        inner, params = self._inner.state_dict(), self._params()
         state = {}
         for sid, entry in inner["state"].items():
-            p = self._params()[sid] if isinstance(sid, int) else None
-            if p is None:
+            if not isinstance(sid, int):  # (what a hook or the user keeps beside the parameters' state)
                 state[sid] = entry
                 continue
-            out = {}
+            p, out = params[sid], {}
             for key, v in entry.items():
                 if is_dtensor(v):
                     v = _full(v)
@@ -313,19 +314,16 @@ class ShardedFusedAdafactor(torch.optim.Optimizer):
                         v = v.reshape(())
                 out[key] = v.clone() if isinstance(v, Tensor) else v
             state[sid] = out
-        sd = {"state": state, "param_groups": [dict(ig, params=list(g)) for ig, g in
-                                               zip([{k: v for k, v in g.items() if k != "params"}
-                                                    for g in self.param_groups],
-                                                   [s["params"] for s in inner["param_groups"]])]}
-        if "spike_guard" in inner:
-            sd["spike_guard"] = inner["spike_guard"]
-        return sd
+        groups = [dict({k: v for k, v in g.items() if k != "params"}, params=list(saved["params"]))
+                  for g, saved in zip(self.param_groups, inner["param_groups"])]
+        return {"state": state, "param_groups": groups}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a whole state dict (this optimizer's from any world size, ``FusedAdafactor``'s or
         ``torch.optim.Adafactor``'s): each rank keeps its pieces; checked in full before anything changes."""
         from torch.distributed.tensor import DTensor
+        state_dict = run_load_pre_hooks(self, state_dict)
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (an optimizer's state_dict())")
         self._follow()
@@ -367,6 +365,8 @@ class ShardedFusedAdafactor(torch.optim.Optimizer):
         self.state.clear()
         self._bind_state()
         self._remember()
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
 
 def _local(v: Tensor) -> Tensor:

@@ -69,6 +69,20 @@ def check_params(groups: List[dict], master_weights, check=None) -> torch.device
     return devices.pop() if devices else torch.device("cpu")
 
 
+def unscale_all_ranks(params, inv_scale: Tensor, grad_divisor, device, backend, group) -> Tensor:
+    """A ZeRO-1 optimizer's ``_ampfused_unscale_`` (for ``GradScaler.unscale_``): this rank's gradients of
+    ``params`` unscaled in place, and the overflow flag of all ranks (all-reduced on the device; a rank without
+    gradients joins with 0)."""
+    FusedOptimizer._check_divisor(grad_divisor)
+    inv_scale = FusedOptimizer._divide(_on(inv_scale, device), grad_divisor)
+    grads = [p.grad for p in params if p.grad is not None]
+    flag = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        dtypes = tuple(sorted({str(g.dtype) for g in grads}))
+        flag = ops.call_k1("unscale_", grads, inv_scale, dtypes, backend)[1].sum()
+    return (C.all_reduce_sum_(flag.reshape(1), group) > 0).float().reshape(())
+
+
 class ShardedFusedOptimizer(torch.optim.Optimizer):
     """Base of the ZeRO-1 fused optimizers; subclasses name the state buffers and call the step op."""
 
@@ -398,15 +412,8 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
     def _ampfused_unscale_(self, inv_scale: Tensor, grad_divisor=None) -> Tensor:
         """For ``GradScaler.unscale_``: unscale this rank's gradients in place and return the overflow flag of
         all ranks (all-reduced; a rank without gradients joins with 0)."""
-        FusedOptimizer._check_divisor(grad_divisor)
-        spaces = self._ensure_layout()
-        inv_scale = FusedOptimizer._divide(_on(inv_scale, self._device), grad_divisor)
-        grads = [p.grad for s in spaces for p in s.params if p.grad is not None]
-        flag = self._one * 0
-        if grads:
-            dtypes = tuple(sorted({str(g.dtype) for g in grads}))
-            flag = ops.call_k1("unscale_", grads, inv_scale, dtypes, self.backend)[1].sum()
-        return (C.all_reduce_sum_(flag.reshape(1), self.process_group) > 0).float().reshape(())
+        params = [p for s in self._ensure_layout() for p in s.params]
+        return unscale_all_ranks(params, inv_scale, grad_divisor, self._device, self.backend, self.process_group)
 
     # --- state dicts -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

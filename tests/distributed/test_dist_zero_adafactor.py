@@ -239,3 +239,39 @@ def test_dcp_checkpoint_moves_between_world_sizes(tmp_path):
     """torch.distributed.checkpoint with get/set_optimizer_state_dict: saved by 2 ranks, loaded by 3, the run
     goes on as the single-process one."""
     _save_at_2_resume_at_3(tmp_path, _dcp_worker, str(tmp_path / "ckpt"))
+
+
+def _unscale_worker(rank, world, out):
+    model = _model()
+    opt = ampfused.ShardedFusedAdafactor(model.parameters(), **HYPER)
+    seen = []
+    opt.register_state_dict_post_hook(lambda o, sd: seen.append(len(sd["state"])))
+    opt.register_load_state_dict_post_hook(lambda o: seen.append("loaded"))
+    scaler = _scaler()
+    before = [p.detach().clone() for p in model.parameters()]
+    for k in (SKIP, SKIP + 1):  # an inf on the last rank only, then a clean step
+        scaler.scale(torch.zeros(()))
+        for p, g in zip(model.parameters(), _grads(k, rank, world, model)):
+            p.grad = g * scaler.get_scale()
+        scaler.unscale_(opt)  # (as before a clip): the overflow of any rank is every rank's
+        if k == SKIP:
+            assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), _grads(k, rank, world, model))
+                       if torch.isfinite(g).all())
+        scaler.step(opt)
+        scaler.update()
+        if k == SKIP:
+            assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "a rank stepped over an inf"
+            assert scaler.get_scale() == 2.0 ** 7
+        opt.zero_grad()
+    opt.load_state_dict(opt.state_dict())
+    save(out, rank, {"seen": seen, "scale": scaler.get_scale(),
+                     "changed": any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))})
+
+
+def test_unscale_skips_every_rank_and_state_dict_hooks_run(tmp_path):
+    """``GradScaler.unscale_`` before the step: the gradients unscaled in place, an inf on one rank skips the step
+    and backs the scale off on every rank, the next step moves the weights; torch's state-dict hooks run."""
+    run_ranks(_unscale_worker, 2, str(tmp_path))
+    for r, got in enumerate(load(tmp_path, 2)):
+        assert got["scale"] == 2.0 ** 8 and got["changed"], (r, got)
+        assert got["seen"] == [len(list(_model().parameters())), "loaded"], got["seen"]
