@@ -39,7 +39,7 @@ def q8_nearest(x, signed):
 
 def q8_stochastic(x, signed, _gen=[0]):
     _gen[0] += 1
-    rand = sp.random_bits(sp.stream_key(12345, _gen[0], 1), torch.arange(x.numel()))
+    rand = sp.stream_bits(sp.random_bits(sp.step_key(12345, _gen[0]), torch.arange(x.numel())), 1)
     return sp.q8_dequantize(*sp.q8_quantize(x, signed, rand), signed)
 
 

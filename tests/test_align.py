@@ -149,34 +149,3 @@ def test_modes_of_other_optimizers_run_against_their_own_fp32_run(tmp_path, caps
     losses = {n: [float(r[n]) for r in rows] for n in rows[0] if n != "step"}
     assert len({v[0] for v in losses.values()}) == 1
     assert all(v[-1] < v[0] for v in losses.values())
-
-
-def test_one_draw_proposal_runs_every_mode_on_the_reference_backend(tmp_path, capsys):
-    """``--modes --sr-draws one``: the proposed draws (one per element, each stream a rotation of it) on the
-    reference backend; the rounding streams of one element are then rotations of one another, and the modes that
-    draw differ from today's specification while those that do not (remainders) stay its bits."""
-    from ampfused.ops import reference, state_precision as sp
-    from bench.align import draws
-    seed, t = torch.tensor(3), torch.tensor(5.0)
-    cx = reference._Compact([torch.zeros(4, dtype=torch.bfloat16)], None, [], seed)
-    today = [cx._rand(k, t, slice(0, 64), 64) for k in range(3)]
-    with draws.one_draw():
-        one = [cx._rand(k, t, slice(0, 64), 64) for k in range(3)]
-    assert torch.equal(one[0], today[0])  # the weight's stream is today's
-    assert torch.equal(one[1], draws._rotl32(one[0], 11)) and torch.equal(one[2], draws._rotl32(one[0], 22))
-    assert not torch.equal(one[1], today[1])
-    assert cx._rand(1, t, slice(0, 64), 64).equal(today[1])  # restored after the block
-    assert bool(((one[1] >= 0) & (one[1] <= sp.M32)).all())
-    rc = align.main(TINY[:-2] + ["--steps", "16", "--device", "cpu", "--modes", "--no-peers", "--sr-draws", "one",
-                                 "--out", str(tmp_path), "--name", "one"])
-    assert rc == 0
-    assert "one draw per element" in capsys.readouterr().out
-    rc = align.main(TINY[:-2] + ["--steps", "16", "--device", "cpu", "--modes", "--no-peers", "--out", str(tmp_path),
-                                 "--name", "three"])
-    assert rc == 0
-    with open(tmp_path / "one.csv", newline="") as f:
-        one_rows = list(csv.DictReader(f))
-    with open(tmp_path / "three.csv", newline="") as f:
-        three_rows = list(csv.DictReader(f))
-    assert [r["ampfused+rem"] for r in one_rows] == [r["ampfused+rem"] for r in three_rows]
-    assert [r["ampfused+sr+q8m"] for r in one_rows] != [r["ampfused+sr+q8m"] for r in three_rows]

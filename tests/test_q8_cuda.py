@@ -215,6 +215,32 @@ def test_q8_step_matches_the_reference_bit_for_bit(opt, fmt):
     _untouched_blocks_hold(fast, Problem(fmt, opt, "cpu"))
 
 
+@pytest.mark.parametrize("opt", ["adamw", "sgd-nesterov"])  # (no weight decay: it would narrow the momentum's range)
+@pytest.mark.parametrize("fmt", ["bf16-fp32-master", "bf16-no-master"])
+@gpu
+def test_q8_values_below_the_normal_range_match_the_reference(opt, fmt):
+    """Moments and gradients spread over 2^40 in every block: most new moments fall below their block's normal
+    range, so the blocks take the out-of-line encoder (q8_encode's carried form), some codes are 0."""
+    def run(device, backend):
+        p = Problem(fmt, opt, "cpu")
+        g = torch.Generator().manual_seed(7)
+        wide = [torch.randn(p.total, generator=g) * torch.exp2(-40 * torch.rand(p.total, generator=g))
+                for _ in p.states]
+        coded = [sp.q8_quantize(v if k == 0 else v.abs(), signed=k == 0) for k, v in enumerate(wide)]
+        p.states, p.scales = [c for c, _ in coded], torch.stack([sc for _, sc in coded])
+        p.to(device)
+        for k in range(3):
+            grads = [(x * torch.exp2(-40 * torch.rand(x.shape, generator=g)).to(x.dtype)).to(device)
+                     if x is not None else None for x in _grads(k, p.pdtype, "cpu")]
+            _step(p, grads, _partials(grads, torch.tensor(0.5), False), backend, 1.0)
+        return p
+    fast, ref = run(DEV, BACKEND), run("cpu", None)
+    mag = torch.cat([s.cpu().to(torch.int64) & (0x7F if k == 0 else 0xFF) for k, s in enumerate(ref.states)])
+    assert ((mag > 0) & (mag < 8)).float().mean() > 0.02
+    for (name, a), (_, b) in zip(fast.tensors(), ref.tensors()):
+        assert_bitwise(f"{name} ({opt}, {fmt})", a, b)
+
+
 @gpu
 @pytest.mark.parametrize("fmt", ["bf16-remainder", "fp32-params"])
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])

@@ -159,15 +159,23 @@ def test_remainder_code_is_exact_and_ties_away_from_zero():
 
 def test_stochastic_rounding_is_unbiased_and_keyed():
     x = torch.full((1 << 16,), 1.0 + 2 ** -10)  # 1/8 of a bf16 ulp above 1
-    key = sp.stream_key(7, 3, sp.STREAM_STATE1)
+    key = sp.step_key(7, 3)
     r = sp.random_bits(key, torch.arange(x.numel()))
-    y = sp.round_stochastic(x, r).float()
-    assert set(y.unique().tolist()) == {1.0, 1.0078125}
-    assert abs(y.mean().item() - x[0].item()) < 4 * (2 ** -7) * math.sqrt(0.125 * 0.875 / x.numel())
+    # each stream rounds with its own rotation of the element's one draw, and each is unbiased
+    for stream in (sp.STREAM_WEIGHT, sp.STREAM_STATE1, sp.STREAM_STATE2):
+        y = sp.round_stochastic(x, sp.stream_bits(r, stream)).float()
+        assert set(y.unique().tolist()) == {1.0, 1.0078125}
+        assert abs(y.mean().item() - x[0].item()) < 4 * (2 ** -7) * math.sqrt(0.125 * 0.875 / x.numel())
+    # stream k's bits: the draw rotated left by 11 k bits
+    assert sp.stream_bits(0x80000001, 0) == 0x80000001
+    assert sp.stream_bits(0x80000001, 1) == (1 << 10) | (1 << 11)
+    assert sp.stream_bits(0x80000001, 2) == (1 << 21) | (1 << 22)
+    assert torch.equal(sp.stream_bits(r, 2), sp.stream_bits(sp.stream_bits(r, 1), 1))
+    # the key is the weight's key of the three-stream generator before it (weights' draws kept across the change)
+    assert key == 2219174911 and sp.step_key(2 ** 40 + 5, 9) == 1086537531
     # the keys of tensors and Python ints agree, and every component changes the draws
-    assert int(sp.stream_key(torch.tensor(7), torch.tensor(3), 1)) == key
-    assert len({sp.stream_key(7, 3, 1), sp.stream_key(8, 3, 1), sp.stream_key(7, 4, 1), sp.stream_key(7, 3, 2),
-                sp.stream_key(7 + 2 ** 32, 3, 1)}) == 5
+    assert int(sp.step_key(torch.tensor(7), torch.tensor(3))) == key
+    assert len({sp.step_key(7, 3), sp.step_key(8, 3), sp.step_key(7, 4), sp.step_key(7 + 2 ** 32, 3)}) == 4
     # inf stays inf, NaN stays NaN, whatever the draw
     special = torch.tensor([math.inf, -math.inf, math.nan, -0.0])
     out = sp.round_stochastic(special, torch.full((4,), 0xFFFF, dtype=torch.int64)).float()
@@ -183,7 +191,7 @@ def test_q8_codes_are_unbiased_exact_to_decode_and_saturate():
         n = 2000  # draws of the whole block at once: n copies of it, each element at its own index
         _, scales = sp.q8_quantize(x, signed)
         exponent = sp.q8_exponent(scales).expand(n * sp.QBLOCK)
-        rand = sp.random_bits(sp.stream_key(1, 1, 1), torch.arange(n * sp.QBLOCK))
+        rand = sp.stream_bits(sp.random_bits(sp.step_key(1, 1), torch.arange(n * sp.QBLOCK)), 1 if signed else 2)
         codes = sp.q8_encode(x.repeat(n), exponent, rand, signed)
         mean = sp.q8_decode(codes, exponent, signed).double().view(n, sp.QBLOCK).mean(dim=0)
         top = x.abs().max().item()
@@ -211,6 +219,36 @@ def test_q8_codes_are_unbiased_exact_to_decode_and_saturate():
     assert codes[:3].tolist() == [0x7F, 0xFF, 0x7F] and scales.item() == 2.0 ** (sp.Q8_MAX_EXP - 127)
     zeros = sp.q8_dequantize(torch.zeros(300, dtype=torch.uint8), torch.zeros(2), False)
     assert (zeros == 0).all()
+
+
+def test_q8_values_below_the_normal_range_are_carried_into_it():
+    """A value under F (the smallest normal code's value) is encoded through the fp32 sum F + |x|: multiples of the
+    subnormal step are exact whatever the draw, an fp32 subnormal is 0, and the rest round stochastically without
+    bias, down to values far below the step (which the code would otherwise flush to 0)."""
+    g = torch.Generator().manual_seed(5)
+    for signed in (True, False):
+        top = sp.Q8_TOP[signed]
+        exponent = 127
+        floor = 2.0 ** (exponent - top + 1 - 127)
+        step = floor / 8
+        n = 1 << 16
+        e = torch.full((n,), exponent, dtype=torch.int64)
+        rand = torch.randint(0, 2 ** 32, (n,), generator=g)
+        for k in range(9):  # k steps: the code of magnitude k (8: the smallest normal code)
+            x = torch.full((n,), (-1.0 if signed else 1.0) * k * step)
+            codes = sp.q8_encode(x, e, rand, signed).to(torch.int64)
+            assert ((codes & 0x7F if signed else codes) == k).all()
+            assert torch.equal(sp.q8_decode(codes.to(torch.uint8), e, signed), x)
+        tiny = sp.q8_encode(torch.full((n,), 1e-40), e, rand, signed)  # an fp32 subnormal
+        assert (tiny == 0).all()
+        for frac in (0.3, 2.0 ** -12):
+            m = 1 << 22 if frac < 0.01 else n
+            x = torch.full((m,), frac * step)
+            r = torch.randint(0, 2 ** 32, (m,), generator=g)
+            value = sp.q8_decode(sp.q8_encode(x, e[:1].expand(m), r, signed), e[:1].expand(m), signed).double()
+            assert set(value.unique().tolist()) <= {0.0, step}
+            p = frac  # the probability of the step
+            assert abs(value.mean().item() / step - p) < 5 * math.sqrt(p * (1 - p) / m)
 
 
 # ---- the step ops -------------------------------------------------------------------------------------------
@@ -262,6 +300,35 @@ def test_adam_compact_modes_match_the_reference_bit_for_bit(backend, mode, clip)
             _step(p, grads, b, max_norm=5.0 if clip else math.inf, partials=partials)
         return p
     ref, fast = run("reference"), run(backend)
+    for a, b in zip(fast.tensors(), ref.tensors()):
+        assert_bitwise(mode, a, b)
+
+
+@pytest.mark.parametrize("sgd", [False, True], ids=["adam", "sgd"])
+@pytest.mark.parametrize("mode", [m for m in MODES if MODES[m][1] == "q8"])
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
+def test_8bit_moments_below_the_normal_range_match_the_reference(backend, mode, sgd):
+    # moments and gradients spread over 2^40 in every block: most new moments fall below their block's normal
+    # range (the encoder's carried form), many below its smallest code
+    def run(b):
+        p = Problem(*MODES[mode], sgd=sgd)
+        g = torch.Generator().manual_seed(199)
+        total = p.states[0].numel()
+        wide = [torch.randn(total, generator=g) * torch.exp2(-40 * torch.rand(total, generator=g))
+                for _ in p.states]
+        coded = [sp.q8_quantize(v if k == 0 else v.abs(), signed=k == 0) for k, v in enumerate(wide)]
+        p.states = [c for c, _ in coded]
+        p.scales = torch.stack([sc for _, sc in coded])
+        for k in range(3):
+            g = torch.Generator().manual_seed(200 + k)
+            grads = [_param(sh, lay, (torch.randn(math.prod(sh), generator=g)
+                                      * torch.exp2(-40 * torch.rand(math.prod(sh), generator=g))).to(BF16))
+                     if has else None for (sh, lay, has, _) in PARAMS]
+            _step(p, grads, b, max_norm=math.inf)
+        return p
+    ref, fast = run("reference"), run(backend)
+    mag = torch.cat([s.flatten().to(torch.int64) & (0x7F if k == 0 else 0xFF) for k, s in enumerate(ref.states)])
+    assert (mag < 8).float().mean() > 0.2 and ((mag > 0) & (mag < 8)).float().mean() > 0.02
     for a, b in zip(fast.tensors(), ref.tensors()):
         assert_bitwise(mode, a, b)
 

@@ -5,9 +5,10 @@ specification), the same expressions on uint32.
 master), 1 int16 master remainders beside bf16 parameters, 2 no master (bf16 parameters, stochastic rounding).
 ``STATE_BF16``: the moments are bf16, loaded exactly and stored with stochastic rounding (``STATE_Q8``: 8-bit
 codes with block scales, in ``_q8``). The generator is
-keyed per parameter and stream by ``_stream_key(seed, t, stream)`` (the step being taken, ``t = steps[i] + 1``)
-and drawn per element by ``_random_bits(key, index)``, ``index`` the element's int64 index in the flat state
-buffers, so a chunk's draws do not depend on which program runs it.
+keyed per parameter by ``_step_key(seed, t)`` (the step being taken, ``t = steps[i] + 1``) and drawn once per
+element by ``_random_bits(key, index)``, ``index`` the element's int64 index in the flat state buffers, so a
+chunk's draws do not depend on which program runs it; each stream rounds with its rotation of the draw
+(``_stream_bits``).
 """
 from typing import NamedTuple
 
@@ -34,14 +35,14 @@ def _mix32(x):
 
 
 @triton.jit
-def _stream_key(seed, t, stream: tl.constexpr):
-    """``state_precision.stream_key``: seed an int64 scalar, t the step being taken (fp32 scalar)."""
+def _step_key(seed, t):
+    """``state_precision.step_key``: seed an int64 scalar, t the step being taken (fp32 scalar)."""
     lo = seed.to(tl.uint32)
     hi = (seed >> 32).to(tl.uint32)
     k = _mix32(lo ^ tl.full((), 0x243F6A88, tl.uint32))
     k = _mix32(k ^ hi)
     k = _mix32(k ^ t.to(tl.int64).to(tl.uint32))
-    return _mix32(k ^ tl.full((), (stream * 0x9E3779B9) & 0xFFFFFFFF, tl.uint32))
+    return _mix32(k)
 
 
 @triton.jit
@@ -50,6 +51,27 @@ def _random_bits(key, index):
     lo = index.to(tl.uint32)
     hi = (index >> 32).to(tl.uint32)
     return _mix32((key + hi * tl.full((), 0x9E3779B9, tl.uint32)) ^ lo)
+
+
+@triton.jit
+def _stream_bits(r, STREAM: tl.constexpr):
+    """``state_precision.stream_bits``: the bits stream ``STREAM`` (0, 1, 2) rounds with, the element's draw ``r``
+    (uint32) rotated left by 11 bits per stream."""
+    if STREAM == 0:
+        return r
+    elif STREAM == 1:
+        return (r << 11) | (r >> 21)
+    else:
+        return (r << 22) | (r >> 10)
+
+
+@triton.jit
+def _draw(key, index, USE_SEED: tl.constexpr):
+    """The elements' one draw ``random_bits(key, index)`` when the step has a seed (the key, unused, when not)."""
+    if USE_SEED:
+        return _random_bits(key, index)
+    else:
+        return key
 
 
 @triton.jit
@@ -105,15 +127,15 @@ def _load_weight(param_ptr, w_ptr, idx, n, MASTER_FORMAT: tl.constexpr, MASKED: 
 
 
 @triton.jit
-def _store_weight(param_ptr, w_ptr, idx, n, w, key, index, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
+def _store_weight(param_ptr, w_ptr, idx, n, w, r, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
                   MASTER_FORMAT: tl.constexpr, MASKED: tl.constexpr):
-    """Writes the updated fp32 weight ``w`` back in the step's format (``index``: flat-buffer indices)."""
+    """Writes the updated fp32 weight ``w`` back in the step's format (``r``: the elements' draws)."""
     if MASTER_FORMAT == MASTER_REMAINDER:
         weight, rem = _split_master(w)
         _store(w_ptr, idx, n, rem, MASKED)
         _store(param_ptr, idx, n, weight, MASKED)
     elif MASTER_FORMAT == MASTER_NONE:
-        _store(param_ptr, idx, n, _round_stochastic(w, _random_bits(key, index)), MASKED)
+        _store(param_ptr, idx, n, _round_stochastic(w, r), MASKED)  # (stream 0: the draw itself)
     elif HAS_MASTER:
         _store(w_ptr, idx, n, w, MASKED)
         _store(param_ptr, idx, n, _round_to(w, PARAM_DTYPE), MASKED)
@@ -127,9 +149,10 @@ def _load_state(ptr, idx, n, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _store_state(ptr, idx, n, value, key, index, STATE_BF16: tl.constexpr, MASKED: tl.constexpr):
+def _store_state(ptr, idx, n, value, r, STATE_BF16: tl.constexpr, MASKED: tl.constexpr):
+    """Writes a moment's new fp32 values (bf16: rounded with the stream's bits ``r``)."""
     if STATE_BF16:
-        _store(ptr, idx, n, _round_stochastic(value, _random_bits(key, index)), MASKED)
+        _store(ptr, idx, n, _round_stochastic(value, r), MASKED)
     else:
         _store(ptr, idx, n, value, MASKED)
 

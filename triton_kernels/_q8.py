@@ -18,7 +18,6 @@ patterns, with every shift amount in [0, 31] (numpy, the interpreter's arithmeti
 import triton
 import triton.language as tl
 
-from ._compact import _random_bits
 
 QBLOCK = tl.constexpr(256)
 Q8_MIN_EXP = tl.constexpr(40)
@@ -34,24 +33,21 @@ def _q8_exponent(scale):
 
 
 @triton.jit
-def _q8_encode(x, e_block, r, SIGNED: tl.constexpr):
-    """``state_precision.q8_encode`` with stochastic rounding: fp32 values, their blocks' exponents (int32,
-    broadcast per element) and 32-bit draws (uint32) -> uint8 codes."""
+def _q8_encode(x, floor, offset, r, SIGNED: tl.constexpr):
+    """``state_precision.q8_encode`` with stochastic rounding: fp32 values, their blocks' normal floors (``(E - top
+    + 1) << 23``, int32) and offsets (``(E - top) << 3``, uint32), broadcast per element, and 32-bit draws
+    (uint32) -> uint8 codes. A value below its block's normal range is carried into it as the fp32 sum ``F +
+    |x|`` (``F`` the floor's value; an fp32 subnormal ``|x|`` as 0), whose bits one binade down are then rounded
+    like a normal value's: the fp32 bits plus the draw's low 20 bits, shifted right by 20 and rebased."""
     u = x.to(tl.uint32, bitcast=True)
     a = tl.minimum(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, INF_BITS)  # q8_abs_bits
-    ex = a >> 23
-    sig = ((a & 0x7FFFFF) | tl.where(ex > 0, 0x800000, 0)).to(tl.uint32)
-    top: tl.constexpr = 14 if SIGNED else 30  # exponent field of a block's largest value
-    e = tl.maximum(ex, 1) - e_block + top     # the code's exponent field (may be <= 0)
-    shift = 20 + tl.maximum(1 - e, 0)         # significand bits the code drops
-    s = tl.minimum(shift, 31).to(tl.uint32)
-    low = (tl.full((), 1, tl.uint32) << s) - 1
-    q = tl.where(shift > 31, 0, ((sig + (r & low)) >> s).to(tl.int32))
+    carried = tl.where(a < 0x800000, 0, a).to(tl.float32, bitcast=True) + floor.to(tl.float32, bitcast=True)
+    w = tl.where(a < floor, carried.to(tl.int32, bitcast=True) - 0x800000, a).to(tl.uint32)
+    mag = ((w + (r & 0xFFFFF)) >> 20) - offset
     if SIGNED:
-        mag = tl.minimum((tl.maximum(e, 1) - 1) * 8 + q, 0x7F)
-        code = mag | ((u >> 24) & 0x80).to(tl.int32)
+        code = tl.minimum(mag, 0x7F) | ((u >> 24) & 0x80)
     else:
-        code = tl.minimum((tl.maximum(e, 1) - 1) * 8 + q, 0xFF)
+        code = tl.minimum(mag, 0xFF)
     return code.to(tl.uint8)
 
 
@@ -82,26 +78,6 @@ def _per_lane(e_rows, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _q8_decode_fast(code, base, hidden, SIGNED: tl.constexpr):
-    """``_q8_decode``'s bits in fewer operations (the CPU backend's ``q8_decode_cpu``, which
-    tests/test_cpu_compact_blocks.py holds against the reference for every code at every block exponent): a code
-    of exponent field 0 is decoded as the normal value one exponent up less that exponent's power of two
-    ``hidden`` (exact: both lie in one binade). ``base``: ``(E - top) << 23`` (uint32) at the block's exponent E;
-    no intermediate reaches 2**31."""
-    c = code.to(tl.uint32)
-    if SIGNED:
-        mag = c & 0x7F
-    else:
-        mag = c
-    sub = mag < 8
-    v = ((mag << 20) + base + tl.where(sub, 0x800000, 0).to(tl.uint32)).to(tl.float32, bitcast=True)
-    a = tl.where(sub, v - hidden, v)
-    if SIGNED:
-        a = (a.to(tl.uint32, bitcast=True) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
-    return a
-
-
-@triton.jit
 def _load_q8(ptr, scale_ptr, idx, n, base, SIGNED: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
     """A moment's fp32 values at the chunk's lanes ``idx = base + arange(BLOCK)``: its codes decoded with their
     blocks' scales (``scale_ptr``: the chunk's first block in its row of ``state_scales``)."""
@@ -112,20 +88,20 @@ def _load_q8(ptr, scale_ptr, idx, n, base, SIGNED: tl.constexpr, MASKED: tl.cons
     else:
         code = tl.load(ptr + idx)
         scale = tl.load(scale_ptr + base // QBLOCK + k)
-    top: tl.constexpr = 14 if SIGNED else 30
-    e_rows = _q8_exponent(scale)
-    # per block: (E - top) << 23 and the power of two one exponent above the codes' subnormal range
-    base_rows = ((e_rows - top) << 23).to(tl.uint32)
-    hidden_rows = ((e_rows - top + 1) << 23).to(tl.float32, bitcast=True)
-    return _q8_decode_fast(code, _per_lane(base_rows, BLOCK), _per_lane(hidden_rows, BLOCK), SIGNED)
+    # Every code's value at block exponent 127 (scale 1), looked up per element and multiplied by the block's
+    # 2**(E - 127): exact, since each table value and each product is a normal fp32 value or zero. (The table
+    # is the same for every block: the compiler keeps it out of the kernel's loops.)
+    table = _q8_decode(tl.arange(0, 256).to(tl.uint8), tl.full((), 127, tl.int32), SIGNED)
+    scale_rows = (_q8_exponent(scale) << 23).to(tl.float32, bitcast=True)
+    return tl.gather(table, code.to(tl.int32), 0) * _per_lane(scale_rows, BLOCK)
 
 
 @triton.jit
-def _store_q8(ptr, scale_ptr, idx, n, base, value, key, index, SIGNED: tl.constexpr, MASKED: tl.constexpr,
+def _store_q8(ptr, scale_ptr, idx, n, base, value, r, SIGNED: tl.constexpr, MASKED: tl.constexpr,
               BLOCK: tl.constexpr):
     """Stores a moment's new fp32 values as codes: each block's exponent from the largest ``q8_abs_bits`` of
-    its new values (of the parameter's elements only), every element encoded with it and its draw
-    ``random_bits(key, index)``, and the blocks' scales."""
+    its new values (of the parameter's elements only), every element encoded with it and its stream's bits
+    ``r``, and the blocks' scales."""
     a = tl.minimum(value.to(tl.int32, bitcast=True) & 0x7FFFFFFF, INF_BITS)  # q8_abs_bits
     if MASKED:
         a = tl.where(idx < n, a, 0)
@@ -133,7 +109,10 @@ def _store_q8(ptr, scale_ptr, idx, n, base, value, key, index, SIGNED: tl.conste
     e_rows = tl.minimum(tl.maximum(tl.max(tl.reshape(a, [BLOCK // QBLOCK, QBLOCK]), axis=1) >> 23, Q8_MIN_EXP),
                         Q8_MAX_EXP)
     scale = (e_rows << 23).to(tl.float32, bitcast=True)
-    code = _q8_encode(value, _per_lane(e_rows, BLOCK), _random_bits(key, index), SIGNED)
+    top: tl.constexpr = 14 if SIGNED else 30
+    floor = _per_lane((e_rows - top + 1) << 23, BLOCK)
+    offset = _per_lane(((e_rows - top) << 3).to(tl.uint32), BLOCK)
+    code = _q8_encode(value, floor, offset, r, SIGNED)
     k = tl.arange(0, BLOCK // QBLOCK)
     if MASKED:  # (a quantization block past the parameter's end is not written)
         tl.store(ptr + idx, code, mask=idx < n)

@@ -27,7 +27,7 @@ import triton.language as tl
 from ._common import (LAUNCH_OPTIONS, TL_DTYPES, _lerp, _prologue, _round_to, _to_f32, device_guard, f32,
                       nonempty)
 from ._compact import (MASTER_NONE, MASTER_REMAINDER, _join_master, _random_bits, _round_stochastic, _split_master,
-                       _stream_key)
+                       _step_key)
 
 AF_COLS = tl.constexpr(22)
 MAX_DIMS = tl.constexpr(8)
@@ -161,7 +161,7 @@ def _adafactor_kernel(table_ptr, master_ptr, factors_ptr, steps_ptr, partials_pt
         decay = (1.0 - lr64 * _f64(weight_decay)).to(tl.float32)
         key = tl.full((), 0, tl.uint32)
         if USE_SEED:
-            key = _stream_key(tl.load(seed_ptr), t, 0)
+            key = _step_key(tl.load(seed_ptr), t)
         w_sumsq = tl.zeros((), tl.float64)
         u_sumsq = tl.zeros((), tl.float64)
         if nd > 1:

@@ -26,8 +26,8 @@ import triton.language as tl
 
 from ._common import (LAUNCH_OPTIONS, TL_DTYPES, device_guard, f32, grid_size, nonempty, _advance_steps, _expm1,
                       _lerp, _load, _prologue, _step_chunk, _to_f32)
-from ._compact import (_load_state, _load_weight, _store_state, _store_weight, _stream_key, chunk_state_ptrs,
-                       launch_format)
+from ._compact import (_draw, _load_state, _load_weight, _step_key, _store_state, _store_weight, _stream_bits,
+                       chunk_state_ptrs, launch_format)
 from ._q8 import QBLOCK, _load_q8, _store_q8
 
 BLOCK = 1024        # elements per program per iteration (8 per thread with 4 warps)
@@ -40,10 +40,10 @@ TBLOCK = 1024       # table rows per iteration of the step advance
 
 @triton.jit
 def _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, sc1_ptr, sc2_ptr, base, idx, n, coef,
-                decay, step_size, eps_c, one_minus_beta1, beta2, one_minus_beta2, weight_decay, state, kw,
-                k1, k2, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, DECOUPLED: tl.constexpr,
+                decay, step_size, eps_c, one_minus_beta1, beta2, one_minus_beta2, weight_decay, state, key,
+                PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, DECOUPLED: tl.constexpr,
                 MAXIMIZE: tl.constexpr, MASTER_FORMAT: tl.constexpr, STATE_BF16: tl.constexpr,
-                STATE_Q8: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
+                STATE_Q8: tl.constexpr, USE_SEED: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
     # idx = base + arange(BLOCK): lanes of the chunk; sc1_ptr, sc2_ptr: the chunk's first block scales (Q8)
     g = _to_f32(_load(grad_ptr, idx, n, MASKED)) * coef
     if MAXIMIZE:
@@ -64,14 +64,14 @@ def _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, sc1_ptr
     v_new = v * beta2 + one_minus_beta2 * g * g
     denom = tl.sqrt_rn(v_new) + eps_c
     w_new = w_new - tl.div_rn(step_size * m_new, denom)
-    index = state + idx  # in the flat buffers: the stochastic rounding's counter
+    r = _draw(key, state + idx, USE_SEED)  # one per element, at its index in the flat buffers
     if STATE_Q8:
-        _store_q8(exp_avg_ptr, sc1_ptr, idx, n, base, m_new, k1, index, True, MASKED, BLOCK)
-        _store_q8(exp_avg_sq_ptr, sc2_ptr, idx, n, base, v_new, k2, index, False, MASKED, BLOCK)
+        _store_q8(exp_avg_ptr, sc1_ptr, idx, n, base, m_new, _stream_bits(r, 1), True, MASKED, BLOCK)
+        _store_q8(exp_avg_sq_ptr, sc2_ptr, idx, n, base, v_new, _stream_bits(r, 2), False, MASKED, BLOCK)
     else:
-        _store_state(exp_avg_ptr, idx, n, m_new, k1, index, STATE_BF16, MASKED)
-        _store_state(exp_avg_sq_ptr, idx, n, v_new, k2, index, STATE_BF16, MASKED)
-    _store_weight(param_ptr, w_ptr, idx, n, w_new, kw, index, PARAM_DTYPE, HAS_MASTER, MASTER_FORMAT, MASKED)
+        _store_state(exp_avg_ptr, idx, n, m_new, _stream_bits(r, 1), STATE_BF16, MASKED)
+        _store_state(exp_avg_sq_ptr, idx, n, v_new, _stream_bits(r, 2), STATE_BF16, MASKED)
+    _store_weight(param_ptr, w_ptr, idx, n, w_new, r, PARAM_DTYPE, HAS_MASTER, MASTER_FORMAT, MASKED)
 
 
 @triton.jit(do_not_specialize=["num_chunks", "T", "P", "scale_cols"])
@@ -101,12 +101,9 @@ def _adam_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, exp_avg_ptr, 
             # 8-bit moments: the chunk's first block in each row of state_scales ([2, scale_cols])
             sc1 = scales_ptr + state // QBLOCK
             sc2 = sc1 + scale_cols
-            kw = tl.full((), 0, tl.uint32)
-            k1 = kw
-            k2 = kw
-            if USE_SEED:  # the stochastic rounding's keys at this parameter's step
-                seed = tl.load(seed_ptr)
-                kw, k1, k2 = _stream_key(seed, t, 0), _stream_key(seed, t, 1), _stream_key(seed, t, 2)
+            key = tl.full((), 0, tl.uint32)
+            if USE_SEED:  # the stochastic rounding's key at this parameter's step
+                key = _step_key(tl.load(seed_ptr), t)
             # m_hat / (sqrt(v_hat) + eps) as (lr / bc1 * sqrt(bc2)) * m / (sqrt(v) + eps * sqrt(bc2))
             sqrt_bc2 = tl.sqrt_rn(-_expm1(t * log_beta2))
             step_size = tl.div_rn(lr, -_expm1(t * log_beta1)) * sqrt_bc2
@@ -115,14 +112,14 @@ def _adam_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, exp_avg_ptr, 
             for b in range(0, full):
                 _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_c, exp_avg_sq_c, sc1, sc2, b * BLOCK,
                             b * BLOCK + lanes, count, coef, decay, step_size, eps_c, one_minus_beta1, beta2,
-                            one_minus_beta2, weight_decay, state, kw, k1, k2, PARAM_DTYPE, HAS_MASTER,
-                            DECOUPLED, MAXIMIZE, MASTER_FORMAT, STATE_BF16, STATE_Q8, False, BLOCK)
+                            one_minus_beta2, weight_decay, state, key, PARAM_DTYPE, HAS_MASTER,
+                            DECOUPLED, MAXIMIZE, MASTER_FORMAT, STATE_BF16, STATE_Q8, USE_SEED, False, BLOCK)
             # the parameter's last, partial block
             if full * BLOCK < count:
                 _adam_block(param_ptr, grad_ptr, w_ptr, exp_avg_c, exp_avg_sq_c, sc1, sc2, full * BLOCK,
                             full * BLOCK + lanes, count, coef, decay, step_size, eps_c, one_minus_beta1, beta2,
-                            one_minus_beta2, weight_decay, state, kw, k1, k2, PARAM_DTYPE, HAS_MASTER,
-                            DECOUPLED, MAXIMIZE, MASTER_FORMAT, STATE_BF16, STATE_Q8, True, BLOCK)
+                            one_minus_beta2, weight_decay, state, key, PARAM_DTYPE, HAS_MASTER,
+                            DECOUPLED, MAXIMIZE, MASTER_FORMAT, STATE_BF16, STATE_Q8, USE_SEED, True, BLOCK)
         _advance_steps(steps_ptr, table_ptr, T, counter_ptr, TBLOCK)
 
 

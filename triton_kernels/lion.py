@@ -11,8 +11,8 @@ import triton.language as tl
 
 from ._common import (LAUNCH_OPTIONS, TL_DTYPES, device_guard, f32, grid_size, nonempty, _advance_steps, _load,
                       _lerp, _prologue, _step_chunk, _to_f32)
-from ._compact import (_load_state, _load_weight, _store_state, _store_weight, _stream_key, chunk_state_ptrs,
-                       launch_format)
+from ._compact import (_draw, _load_state, _load_weight, _step_key, _store_state, _store_weight, _stream_bits,
+                       chunk_state_ptrs, launch_format)
 from ._q8 import QBLOCK, _load_q8, _store_q8
 
 BLOCK = 1024
@@ -25,9 +25,9 @@ TBLOCK = 1024
 
 @triton.jit
 def _lion_block(param_ptr, grad_ptr, w_ptr, m_ptr, sc_ptr, base, idx, n, coef, lr, decay, one_minus_beta1,
-                one_minus_beta2, state, kw, k1, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
+                one_minus_beta2, state, key, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
                 MAXIMIZE: tl.constexpr, MASTER_FORMAT: tl.constexpr, STATE_BF16: tl.constexpr,
-                STATE_Q8: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
+                STATE_Q8: tl.constexpr, USE_SEED: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
     # idx = base + arange(BLOCK): lanes of the chunk; sc_ptr: the chunk's first block scale (Q8)
     g = _to_f32(_load(grad_ptr, idx, n, MASKED)) * coef
     if MAXIMIZE:
@@ -41,12 +41,12 @@ def _lion_block(param_ptr, grad_ptr, w_ptr, m_ptr, sc_ptr, base, idx, n, coef, l
     u = (c > 0.0).to(tl.float32) - (c < 0.0).to(tl.float32)  # sign, 0 at 0 and NaN (torch.sign on the CPU)
     w_new = w * decay - lr * u
     m_new = _lerp(m, g, one_minus_beta2)
-    index = state + idx  # in the flat buffers: the stochastic rounding's counter
+    r = _draw(key, state + idx, USE_SEED)  # one per element, at its index in the flat buffers
     if STATE_Q8:
-        _store_q8(m_ptr, sc_ptr, idx, n, base, m_new, k1, index, True, MASKED, BLOCK)
+        _store_q8(m_ptr, sc_ptr, idx, n, base, m_new, _stream_bits(r, 1), True, MASKED, BLOCK)
     else:
-        _store_state(m_ptr, idx, n, m_new, k1, index, STATE_BF16, MASKED)
-    _store_weight(param_ptr, w_ptr, idx, n, w_new, kw, index, PARAM_DTYPE, HAS_MASTER, MASTER_FORMAT, MASKED)
+        _store_state(m_ptr, idx, n, m_new, _stream_bits(r, 1), STATE_BF16, MASKED)
+    _store_weight(param_ptr, w_ptr, idx, n, w_new, r, PARAM_DTYPE, HAS_MASTER, MASTER_FORMAT, MASKED)
 
 
 @triton.jit(do_not_specialize=["num_chunks", "T", "P"])
@@ -67,23 +67,19 @@ def _lion_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, m_ptr, steps_
             row, param_ptr, grad_ptr, state, count, w_ptr = _step_chunk(
                 table_ptr, chunks_ptr, c, master_ptr, PARAM_DTYPE, GRAD_DTYPE, HAS_MASTER, ALIGNED, CHUNK)
             w_ptr, m_c, _unused = chunk_state_ptrs(w_ptr, master_ptr, m_ptr, m_ptr, state, MASTER_FORMAT, STATE_BF16)
-            kw = tl.full((), 0, tl.uint32)
-            k1 = kw
-            if USE_SEED:  # the stochastic rounding's keys at this parameter's step t = steps[row] + 1
-                seed = tl.load(seed_ptr)
-                t = tl.load(steps_ptr + row).to(tl.float32) + 1.0
-                kw = _stream_key(seed, t, 0)
-                k1 = _stream_key(seed, t, 1)
+            key = tl.full((), 0, tl.uint32)
+            if USE_SEED:  # the stochastic rounding's key at this parameter's step t = steps[row] + 1
+                key = _step_key(tl.load(seed_ptr), tl.load(steps_ptr + row).to(tl.float32) + 1.0)
             sc = scales_ptr + state // QBLOCK  # 8-bit moment: the chunk's first block scale (state_scales[0])
             full = count // BLOCK
             for b in range(0, full):
                 _lion_block(param_ptr, grad_ptr, w_ptr, m_c, sc, b * BLOCK, b * BLOCK + lanes, count, coef, lr, decay,
-                            one_minus_beta1, one_minus_beta2, state, kw, k1, PARAM_DTYPE, HAS_MASTER, MAXIMIZE,
-                            MASTER_FORMAT, STATE_BF16, STATE_Q8, False, BLOCK)
+                            one_minus_beta1, one_minus_beta2, state, key, PARAM_DTYPE, HAS_MASTER, MAXIMIZE,
+                            MASTER_FORMAT, STATE_BF16, STATE_Q8, USE_SEED, False, BLOCK)
             if full * BLOCK < count:
                 _lion_block(param_ptr, grad_ptr, w_ptr, m_c, sc, full * BLOCK, full * BLOCK + lanes, count, coef, lr,
-                            decay, one_minus_beta1, one_minus_beta2, state, kw, k1, PARAM_DTYPE, HAS_MASTER,
-                            MAXIMIZE, MASTER_FORMAT, STATE_BF16, STATE_Q8, True, BLOCK)
+                            decay, one_minus_beta1, one_minus_beta2, state, key, PARAM_DTYPE, HAS_MASTER,
+                            MAXIMIZE, MASTER_FORMAT, STATE_BF16, STATE_Q8, USE_SEED, True, BLOCK)
         _advance_steps(steps_ptr, table_ptr, T, counter_ptr, TBLOCK)
 
 

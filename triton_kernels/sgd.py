@@ -13,8 +13,8 @@ import triton.language as tl
 
 from ._common import (LAUNCH_OPTIONS, TL_DTYPES, device_guard, f32, grid_size, nonempty, _advance_steps, _load,
                       _prologue, _step_chunk, _to_f32)
-from ._compact import (_load_state, _load_weight, _store_state, _store_weight, _stream_key, chunk_state_ptrs,
-                       launch_format)
+from ._compact import (_draw, _load_state, _load_weight, _step_key, _store_state, _store_weight, _stream_bits,
+                       chunk_state_ptrs, launch_format)
 from ._q8 import QBLOCK, _load_q8, _store_q8
 
 BLOCK = 1024
@@ -27,17 +27,17 @@ TBLOCK = 1024
 
 @triton.jit
 def _sgd_block(param_ptr, grad_ptr, w_ptr, buf_ptr, sc_ptr, base, idx, n, coef, lr, first, momentum,
-               one_minus_dampening, weight_decay, state, kw, k1, PARAM_DTYPE: tl.constexpr,
+               one_minus_dampening, weight_decay, state, key, PARAM_DTYPE: tl.constexpr,
                HAS_MASTER: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
                MAXIMIZE: tl.constexpr, MASTER_FORMAT: tl.constexpr, STATE_BF16: tl.constexpr,
-               STATE_Q8: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
+               STATE_Q8: tl.constexpr, USE_SEED: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
     # idx = base + arange(BLOCK): lanes of the chunk; sc_ptr: the chunk's first block scale (Q8)
     g = _to_f32(_load(grad_ptr, idx, n, MASKED)) * coef
     if MAXIMIZE:
         g = -g
     w = _load_weight(param_ptr, w_ptr, idx, n, MASTER_FORMAT, MASKED)
     g = tl.where(weight_decay != 0.0, g + weight_decay * w, g)
-    index = state + idx  # in the flat buffers: the stochastic rounding's counter
+    r = _draw(key, state + idx, USE_SEED)  # one per element, at its index in the flat buffers
     if HAS_MOMENTUM:
         if STATE_Q8:
             b = _load_q8(buf_ptr, sc_ptr, idx, n, base, True, MASKED, BLOCK)
@@ -46,15 +46,15 @@ def _sgd_block(param_ptr, grad_ptr, w_ptr, buf_ptr, sc_ptr, base, idx, n, coef, 
         # on the first step the buffer may hold anything: it is replaced, never read into the math
         b = tl.where(first, g, b * momentum + one_minus_dampening * g)
         if STATE_Q8:
-            _store_q8(buf_ptr, sc_ptr, idx, n, base, b, k1, index, True, MASKED, BLOCK)
+            _store_q8(buf_ptr, sc_ptr, idx, n, base, b, _stream_bits(r, 1), True, MASKED, BLOCK)
         else:
-            _store_state(buf_ptr, idx, n, b, k1, index, STATE_BF16, MASKED)
+            _store_state(buf_ptr, idx, n, b, _stream_bits(r, 1), STATE_BF16, MASKED)
         if NESTEROV:
             g = g + momentum * b
         else:
             g = b
     w_new = w - lr * g
-    _store_weight(param_ptr, w_ptr, idx, n, w_new, kw, index, PARAM_DTYPE, HAS_MASTER, MASTER_FORMAT, MASKED)
+    _store_weight(param_ptr, w_ptr, idx, n, w_new, r, PARAM_DTYPE, HAS_MASTER, MASTER_FORMAT, MASKED)
 
 
 @triton.jit(do_not_specialize=["num_chunks", "T", "P"])
@@ -78,25 +78,21 @@ def _sgd_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, buf_ptr, steps
                                                      STATE_BF16)
             step = tl.load(steps_ptr + row)
             first = step == 0.0  # this parameter's first step
-            kw = tl.full((), 0, tl.uint32)
-            k1 = kw
-            if USE_SEED:  # the stochastic rounding's keys at this parameter's step t = steps[row] + 1
-                seed = tl.load(seed_ptr)
-                t = step.to(tl.float32) + 1.0
-                kw = _stream_key(seed, t, 0)
-                k1 = _stream_key(seed, t, 1)
+            key = tl.full((), 0, tl.uint32)
+            if USE_SEED:  # the stochastic rounding's key at this parameter's step t = steps[row] + 1
+                key = _step_key(tl.load(seed_ptr), step.to(tl.float32) + 1.0)
             sc = scales_ptr + state // QBLOCK  # 8-bit momentum: the chunk's first block scale (state_scales[0])
             full = count // BLOCK
             for b in range(0, full):
                 _sgd_block(param_ptr, grad_ptr, w_ptr, buf_c, sc, b * BLOCK, b * BLOCK + lanes, count, coef, lr,
-                           first, momentum, one_minus_dampening, weight_decay, state, kw, k1, PARAM_DTYPE,
+                           first, momentum, one_minus_dampening, weight_decay, state, key, PARAM_DTYPE,
                            HAS_MASTER, HAS_MOMENTUM, NESTEROV, MAXIMIZE, MASTER_FORMAT, STATE_BF16, STATE_Q8,
-                           False, BLOCK)
+                           USE_SEED, False, BLOCK)
             if full * BLOCK < count:
                 _sgd_block(param_ptr, grad_ptr, w_ptr, buf_c, sc, full * BLOCK, full * BLOCK + lanes, count, coef,
-                           lr, first, momentum, one_minus_dampening, weight_decay, state, kw, k1, PARAM_DTYPE,
+                           lr, first, momentum, one_minus_dampening, weight_decay, state, key, PARAM_DTYPE,
                            HAS_MASTER, HAS_MOMENTUM, NESTEROV, MAXIMIZE, MASTER_FORMAT, STATE_BF16, STATE_Q8,
-                           True, BLOCK)
+                           USE_SEED, True, BLOCK)
         _advance_steps(steps_ptr, table_ptr, T, counter_ptr, TBLOCK)
 
 

@@ -258,8 +258,10 @@ class _Compact:
         return w.to(self.cd)
 
     def _rand(self, stream: int, t: Tensor, sl: slice, n: int) -> Tensor:
-        key = sp.stream_key(self.seed.to(t.device), t.to(torch.int64), stream)
-        return sp.random_bits(key, torch.arange(sl.start, sl.start + n, dtype=torch.int64, device=t.device))
+        """The bits ``stream`` rounds with: the elements' one draw, rotated for the stream."""
+        key = sp.step_key(self.seed.to(t.device), t.to(torch.int64))
+        r = sp.random_bits(key, torch.arange(sl.start, sl.start + n, dtype=torch.int64, device=t.device))
+        return sp.stream_bits(r, stream)
 
     def weight_pairs(self, pm: Tensor, w: Tensor, w_new: Tensor, t: Tensor, sl: slice) -> list:
         """``(tensor, new value)`` for the parameter and its master (or remainder) after the update."""
@@ -354,9 +356,9 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
     the master remainders of bf16 params (``w = join_master(param, master)`` before, ``param, master =
     split_master(w)`` after); ``master=None`` with bf16 params and a ``seed`` (0-d int64) updates the weights
     in fp32 and stores them with ``round_stochastic`` (stream 0); bf16 ``exp_avg``/``exp_avg_sq`` are loaded
-    exactly and stored with ``round_stochastic`` (streams 1, 2). Draws are keyed by (seed, t, stream, the
-    element's index in the flat buffers). The math in between is the fp32 step above. uint8 ``exp_avg`` /
-    ``exp_avg_sq`` are 8-bit moments (``state_precision.q8_encode``): parameters start at multiples of
+    exactly and stored with ``round_stochastic`` (streams 1, 2). Each element draws once, keyed by (seed, t,
+    its index in the flat buffers), and each stream rounds with its rotation of the draw (``stream_bits``). The
+    math in between is the fp32 step above. uint8 ``exp_avg`` / ``exp_avg_sq`` are 8-bit moments (``state_precision.q8_encode``): parameters start at multiples of
     ``QBLOCK`` in the flat buffers (``state_layout(numels, QBLOCK)``), ``state_scales`` (``[2, blocks]`` fp32)
     holds each block's scale; a moment is decoded with its blocks' scales, and stored as the codes of its new
     value (stochastic rounding, streams 1, 2) with each block's new scale, taken from the block's largest new

@@ -12,11 +12,12 @@ A step's state precision is read from its buffers, never from a flag of its own 
   (:func:`q8_encode`) with one power-of-two scale per block of ``QBLOCK`` elements in a ``state_scales`` tensor
   (``[moments, blocks]`` fp32), stored with stochastic rounding too.
 
-Stochastic rounding draws 16 bits per element from a counter-based generator (:func:`random_bits`): a hash of
-(seed, the parameter's step number ``t``, a stream id, the element's index in the flat state buffers). Nothing
-is drawn in sequence, so every backend, every thread count and a resumed run give the same bits, and a skipped
-step (whose ``t`` does not advance) draws nothing. Streams: 0 the weight, 1 ``exp_avg`` / ``momentum_buf``,
-2 ``exp_avg_sq``.
+Stochastic rounding draws 32 bits per element from a counter-based generator (:func:`random_bits`): a hash of
+the parameter's key (:func:`step_key`: the seed and the parameter's step number ``t``) and the element's index in
+the flat state buffers. Each value of the element that is rounded stochastically (its *stream*: 0 the weight, 1
+``exp_avg`` / ``momentum_buf``, 2 ``exp_avg_sq``) rounds with a rotation of that one draw (:func:`stream_bits`).
+Nothing is drawn in sequence, so every backend, every thread count and a resumed run give the same bits, and a
+skipped step (whose ``t`` does not advance) draws nothing.
 
 All integer arithmetic here is on int64 tensors (or Python ints) holding unsigned 32-bit values, written so that
 no intermediate leaves int64: the C++, CUDA and Triton versions are the same expressions on uint32.
@@ -32,6 +33,7 @@ M32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9           # 2**32 / golden ratio: spreads small counters over 32 bits
 SEED_SALT = 0x243F6A88        # (pi's fraction) so a zero seed does not start the chain at the hash's fixed point 0
 STREAM_WEIGHT, STREAM_STATE1, STREAM_STATE2 = 0, 1, 2
+STREAM_ROTATION = 11          # bits between the streams' rotations of an element's draw (stream_bits)
 
 # master formats (the int codes the native and Triton kernels take)
 MASTER_FP32 = 0        # fp32 master buffer, or fp32 parameters that are their own master
@@ -54,14 +56,14 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
-def stream_key(seed, t, stream: int):
-    """Key of one parameter's draws at its step ``t`` (1 on its first update) in ``stream``: the seed's two
-    32-bit halves (an int64, its bits read as unsigned), the step and the stream folded in by the hash, one at a
-    time. ``seed`` and ``t`` are Python ints or int64 tensors (the key is then a tensor: no host read)."""
+def step_key(seed, t):
+    """Key of one parameter's draws at its step ``t`` (1 on its first update): the seed's two 32-bit halves (an
+    int64, its bits read as unsigned) and the step folded in by the hash, one at a time, then a last round.
+    ``seed`` and ``t`` are Python ints or int64 tensors (the key is then a tensor: no host read)."""
     k = mix32((seed & M32) ^ SEED_SALT)
     k = mix32(k ^ ((seed >> 32) & M32))
     k = mix32(k ^ (t & M32))
-    return mix32(k ^ ((stream * GOLDEN) & M32))
+    return mix32(k)
 
 
 def random_bits(key, index: Tensor) -> Tensor:
@@ -72,9 +74,26 @@ def random_bits(key, index: Tensor) -> Tensor:
     return mix32(((key + _mul32(hi, GOLDEN)) & M32) ^ lo)
 
 
+def stream_bits(r, stream: int):
+    """The bits stream ``stream`` rounds with, from an element's draw ``r`` (:func:`random_bits`): ``r`` rotated
+    left by ``STREAM_ROTATION * stream`` bits. A rotation of uniform bits is uniform, so each rounding stays
+    unbiased; the roundings of one element are not independent (a stream's most significant rounding bits are
+    another's least significant ones), which the alignment study measured as harmless
+    (docs/state-precision.md): one hash per element instead of one per stream."""
+    k = (STREAM_ROTATION * stream) % 32
+    if k == 0:
+        return r
+    return ((r << k) & M32) | (r >> (32 - k))
+
+
 def _bits(x: Tensor) -> Tensor:
     """fp32 bits as int64 in [0, 2**32)."""
     return x.float().contiguous().view(torch.int32).to(torch.int64) & M32
+
+
+def _f32_of_bits(b: Tensor) -> Tensor:
+    """fp32 tensor from int64 values in [0, 2**32)."""
+    return torch.where(b >= 2 ** 31, b - 2 ** 32, b).to(torch.int32).view(torch.float32)
 
 
 def _bf16_of_bits(b: Tensor) -> Tensor:
@@ -142,10 +161,14 @@ def join_master(weight: Tensor, remainder: Tensor) -> Tensor:
 # integer and power-of-two arithmetic (no fp32 subnormals anywhere: a device that flushes them gives the same
 # bits). A non-finite value saturates to the largest code.
 #
-# Stochastic rounding: the 24-bit significand of |x| is shifted right by the bits the code drops (20, more
-# in the subnormal range) after adding that many low bits of the element's random draw, so the stored value
-# is x in expectation (E[decode] = x). Beyond 31 dropped bits (below 2**-8 of the smallest subnormal code)
-# the value is stored as zero.
+# Stochastic rounding: in the normal range, the fp32 bits of |x| (exponent and significand) are shifted right
+# by the 20 bits the code drops after adding the low 20 bits of the element's random draw, then rebased to the
+# block's exponent (a carry out of the mantissa lands in the exponent: the next code up). Below it (|x| less than
+# F, the smallest normal code's value 2**(E - top + 1 - 127)), |x| is first carried into the normal range as the
+# fp32 sum F + |x| (rounded to nearest even: to 2**-20 of the code step; an fp32 subnormal |x| counts as 0),
+# whose bits one binade down hold |x| / F * 2**23 below F's exponent, and rounded the same way. Either way the
+# stored value is x in expectation (E[decode] = x) up to that 2**-20 of a step. One form for both ranges: a
+# float add and a select instead of a variable shift and mask (docs/state-precision.md, "8-bit moments").
 
 QBLOCK = 256
 Q8_MIN_EXP, Q8_MAX_EXP = 40, 253
@@ -182,22 +205,17 @@ def q8_exponent(scale: Tensor) -> Tensor:
 
 def q8_encode(x: Tensor, exponent: Tensor, rand: Optional[Tensor], signed: bool) -> Tensor:
     """fp32 values -> uint8 codes, each with its block's exponent (``exponent`` broadcast per element), rounded
-    stochastically with the low bits of ``rand`` (int64 values in [0, 2**32)), or to nearest (ties up in
+    stochastically with the low 20 bits of ``rand`` (int64 values in [0, 2**32)), or to nearest (ties up in
     magnitude) when ``rand`` is None (conversions of loaded fp32 state)."""
     top, max_mag = Q8_TOP[signed], Q8_MAX_MAG[signed]
     u = _bits(x)
-    a = torch.clamp(u & 0x7FFFFFFF, max=INF_BITS)
-    ex = a >> 23
-    sig = (a & 0x7FFFFF) | torch.where(ex > 0, 0x800000, 0)
-    e = torch.clamp(ex, min=1) - exponent + top          # the code's exponent field (may be <= 0)
-    shift = 20 + torch.clamp(1 - e, min=0)                 # significand bits the code drops
-    s = torch.clamp(shift, max=31)
-    if rand is None:
-        add = (1 << (s - 1))
-    else:
-        add = rand & ((1 << s) - 1)
-    q = torch.where(shift > 31, 0, (sig + add) >> s)
-    mag = torch.clamp((torch.clamp(e, min=1) - 1) * 8 + q, max=max_mag)
+    a = torch.clamp(u & 0x7FFFFFFF, max=INF_BITS)              # q8_abs_bits
+    floor = (exponent - top + 1) << 23                          # bits of F, the smallest normal code's value
+    # below F: the bits of F + |x| (fp32, nearest even; an fp32 subnormal |x| as 0), one binade down
+    carried = (_f32_of_bits(torch.where(a < 0x800000, 0, a)) + _f32_of_bits(floor)).contiguous()
+    w = torch.where(a < floor, _bits(carried) - (1 << 23), a)
+    add = (1 << 19) if rand is None else rand & 0xFFFFF
+    mag = torch.clamp(((w + add) >> 20) - ((exponent - top) << 3), max=max_mag)
     code = mag | ((u >> 24) & 0x80) if signed else mag
     return code.to(torch.uint8)
 

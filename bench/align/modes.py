@@ -123,9 +123,6 @@ OPTIMIZERS = {
 REFERENCE_BYTES = {"ampfused": 12, "ampfused-lion": 8, "ampfused-adafactor": 4}
 
 
-MODE_OPTIONS: dict = {}  # options every mode's optimizer also gets (``--sr-draws one``: the reference backend)
-
-
 class _Mode(T.Optimizing):
     """A fused optimizer with a mode's options; the clip folded in, as the ``ampfused`` run."""
 
@@ -135,8 +132,7 @@ class _Mode(T.Optimizing):
         build, self.lr_factor, _, _, _ = OPTIMIZERS[optimizer]
         # (Adafactor: its relative step size follows the schedule's shape from its own peak)
         self.lr_factor = self.lr_factor or ADAFACTOR_LR / cfg.lr
-        self.opt = build(M.param_groups(list(model.named_parameters()), cfg.weight_decay), cfg,
-                         dict(options, **MODE_OPTIONS))
+        self.opt = build(M.param_groups(list(model.named_parameters()), cfg.weight_decay), cfg, dict(options))
 
     def set_lr(self, lr: float) -> None:
         for g in self.opt.param_groups:
@@ -302,22 +298,8 @@ def main(args, device: torch.device, stem: Optional[str], out: str) -> int:
     import os
     cfg = M.Config(steps=args.steps, layers=args.layers, width=args.width, heads=args.heads, context=args.context,
                    batch=args.batch, lr=args.lr, warmup=args.warmup, window=args.window, seed=args.seed)
-    one_draw = getattr(args, "sr_draws", "three") == "one"
-    if one_draw:
-        from .draws import one_draw as draws
-        MODE_OPTIONS["backend"] = "reference"
-    else:
-        import contextlib
-        draws = contextlib.nullcontext
-    try:
-        with draws():
-            runs, figs, lines = execute(cfg, device, peers=not args.no_peers, log=lambda s: print(s, flush=True),
-                                        optimizer=args.optimizer)
-    finally:
-        MODE_OPTIONS.pop("backend", None)
-    if one_draw:
-        lines.insert(1, "stochastic rounding with one draw per element (the proposal in docs/state-precision.md), "
-                        "every mode on the reference backend")
+    runs, figs, lines = execute(cfg, device, peers=not args.no_peers, log=lambda s: print(s, flush=True),
+                                optimizer=args.optimizer)
     text = "\n".join(lines)
     print(text)
     base = os.path.join(out, stem)

@@ -88,10 +88,6 @@ def parser() -> argparse.ArgumentParser:
                         "low-precision AdamW) against its fp32-master run (bench/align/modes.py); writes "
                         "<out>/align-modes-<device>.{csv,txt}")
     p.add_argument("--no-peers", action="store_true", help="with --modes: leave the other libraries out")
-    p.add_argument("--sr-draws", choices=["three", "one"], default="three",
-                   help="with --modes: the stochastic rounding's draws, one per stream (three: the specification) "
-                        "or one per element (the proposal in docs/state-precision.md; every mode then runs on the "
-                        "reference backend, the only one that has it: bench/align/draws.py)")
     p.add_argument("--optimizer", choices=["adamw", "lion", "adafactor"], default="adamw",
                    help="with --modes: the optimizer whose modes run against its own fp32-master run (default adamw; "
                         "writes <out>/align-modes-<optimizer>-<device>.{csv,txt} for the others)")

@@ -67,8 +67,9 @@ def read_write_bytes(mode: Mode, op: str) -> tuple:
 
 
 def draws(mode: Mode, op: str) -> int:
-    """Stochastic-rounding draws per element: the weight without a master, each compact moment."""
-    return (1 if mode.master == MASTER_NONE else 0) + (MOMENTS[op] if mode.state != FLOAT else 0)
+    """Stochastic-rounding draws per element: one where anything is rounded stochastically (the weight without a
+    master, compact moments), each stream rounding with its rotation of it (state_precision.stream_bits)."""
+    return 1 if mode.master == MASTER_NONE or (mode.state != FLOAT and MOMENTS[op] > 0) else 0
 
 
 def budget(bytes_per_elem: float) -> float:

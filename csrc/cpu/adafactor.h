@@ -228,7 +228,7 @@ void adafactor_param(const AfBufs& bufs, const int64_t* row, float coef, double 
   const double alpha = af_max(double(std::sqrt(float(w_sumsq))) / root_n, h.eps2) * rho;
   const float step = float(alpha / af_max(double(std::sqrt(float(u_sumsq))) / (root_n * h.d), 1.0));
   const bool decays = h.weight_decay != 0.0;
-  const uint32_t key = kFmt == kMasterNone ? stream_key(bufs.seed, key_step(t), kStreamWeight) : 0u;
+  const uint32_t key = kFmt == kMasterNone ? step_key(bufs.seed, key_step(t)) : 0u;
   // 3. the weights
   if (s.factored) {
     with_sc([&](auto sc) {

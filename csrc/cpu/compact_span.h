@@ -40,7 +40,8 @@ constexpr int32_t kCompactBlock = 256;
 // with stochastic rounding, or 8-bit codes with block scales); apply(g, w, s1, s2, consts) is the optimizer's
 // element update (a stateless lambda). Element j draws its random bits at index offset + lo + j of the flat
 // state buffers, whose high 32 bits are the same for the whole span (compact_range splits where they change):
-// its keys have that half folded in once and each element hashes only the low half, a 32-bit counter.
+// the key has that half folded in once and each element hashes only the low half, a 32-bit counter; each
+// stream rounds with its rotation of that one draw (stream_bits).
 // Each block of kCompactBlock elements runs in passes, each a loop that vectorises on 32-bit lanes:
 //  - 8-bit moments only: decode the block's codes to fp32 in L1 (a loop of byte loads is 64 lanes wide; in
 //    the update loop its values would take four registers each, too many);
@@ -75,8 +76,7 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
   uint8_t* __restrict q2 = reinterpret_cast<uint8_t*>(b.state2) + at;
   float* __restrict sc1 = b.state_scales;
   float* __restrict sc2 = b.state_scales + b.scale_blocks;
-  const uint32_t kw = random_key_high(t.keys[0], index_high), k1 = random_key_high(t.keys[1], index_high),
-                 k2 = random_key_high(t.keys[2], index_high);
+  const uint32_t kw = random_key_high(t.key, index_high);
   const uint32_t index_low = uint32_t(uint64_t(at));
   // The weight's stores: careful, math.h's forms (any value); else the NaN-free ones.
   const auto store_weight = [&](int32_t e, float w, auto careful) {
@@ -87,7 +87,7 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
       rem[e] = remainder_of_code(code);
       pw[e] = kCareful ? weight_of_code(code) : weight_of_finite(u);
     } else if constexpr (kFmt == kMasterNone) {
-      const uint32_t r = random_bits_low(kw, index_low + uint32_t(e));
+      const uint32_t r = random_bits_low(kw, index_low + uint32_t(e));  // (stream_bits<kStreamWeight>: r)
       pw[e] = kCareful ? round_stochastic_bits(w, r) : round_stochastic_finite(u, r);
     } else if constexpr (kNearestBf16) {
       pw[e] = kCareful ? from_f32<bf16_t>(w).bits : bf16_nearest_finite(u);
@@ -149,16 +149,16 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
         constexpr bool kNormal = decltype(all_normal)::value;
 #pragma omp simd
         for (int32_t j = 0; j < m; ++j) {
-          const uint32_t index = index_low + uint32_t(j0 + j);
+          const uint32_t r = random_bits_low(kw, index_low + uint32_t(j0 + j));
           if constexpr (kStates >= 1) {
-            const uint32_t r = random_bits_low(k1, index);
-            q1[j0 + j] = uint8_t(kNormal ? q8_encode_normal<true>(f32_bits(ab[j]), r, off1)
-                                         : q8_encode<true>(ab[j], y1, r));
+            const uint32_t r1 = stream_bits<kStreamState1>(r);
+            q1[j0 + j] = uint8_t(kNormal ? q8_encode_normal<true>(f32_bits(ab[j]), r1, off1)
+                                         : q8_encode<true>(ab[j], y1, r1));
           }
           if constexpr (kStates >= 2) {
-            const uint32_t r = random_bits_low(k2, index);
-            q2[j0 + j] = uint8_t(kNormal ? q8_encode_normal<false>(f32_bits(cb[j]), r, off2)
-                                         : q8_encode<false>(cb[j], y2, r));
+            const uint32_t r2 = stream_bits<kStreamState2>(r);
+            q2[j0 + j] = uint8_t(kNormal ? q8_encode_normal<false>(f32_bits(cb[j]), r2, off2)
+                                         : q8_encode<false>(cb[j], y2, r2));
           }
         }
       };
@@ -172,14 +172,14 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
 #pragma omp simd
         for (int32_t j = 0; j < m; ++j) {
           const int32_t e = j0 + j;
-          const uint32_t index = index_low + uint32_t(e);
+          const uint32_t r = random_bits_low(kw, index_low + uint32_t(e));  // (unused without bf16 moments)
           if constexpr (kStates >= 1 && kBf16State) {
-            const uint32_t r = random_bits_low(k1, index);
-            h1[e] = kCareful ? round_stochastic_bits(ab[j], r) : round_stochastic_finite(f32_bits(ab[j]), r);
+            const uint32_t r1 = stream_bits<kStreamState1>(r);
+            h1[e] = kCareful ? round_stochastic_bits(ab[j], r1) : round_stochastic_finite(f32_bits(ab[j]), r1);
           }
           if constexpr (kStates >= 2 && kBf16State) {
-            const uint32_t r = random_bits_low(k2, index);
-            h2[e] = kCareful ? round_stochastic_bits(cb[j], r) : round_stochastic_finite(f32_bits(cb[j]), r);
+            const uint32_t r2 = stream_bits<kStreamState2>(r);
+            h2[e] = kCareful ? round_stochastic_bits(cb[j], r2) : round_stochastic_finite(f32_bits(cb[j]), r2);
           }
           store_weight(e, wb[j], careful);
         }

@@ -35,7 +35,7 @@ struct StepTensor {
   const void* grad;  // never null here: parameters without a gradient are not handed to the drivers
   int64_t n;
   int64_t offset;    // of its first element in master / state1 / state2
-  uint32_t keys[3];  // stochastic rounding: stream_key of the weight, state1, state2 at this step (compact state)
+  uint32_t key;      // stochastic rounding (compact state): step_key at this step, each element's one draw
 };
 
 // The step's flat state buffers and the dtypes of the tensors.

@@ -163,7 +163,7 @@ std::vector<int64_t> active_rows(const StepArgs& a) {
 StepTensor tensor_of(const StepArgs& a, int64_t k) {
   const int64_t* r = a.table + k * kTableCols;
   return StepTensor{addr<void>(uintptr_t(r[kColParam])), addr<const void>(uintptr_t(r[kColGrad])), r[kColNumel],
-                    r[kColOffset], {0u, 0u, 0u}};
+                    r[kColOffset], 0u};
 }
 
 StepBufs bufs_of(const StepArgs& a) {
@@ -186,10 +186,7 @@ void run_step(const StepArgs& a, double max_norm, int nthreads, Make make, Apply
   for (int64_t k : rows) {
     const double step = read_scalar(scalar_at(a.steps, a.step_code, k), a.step_code);
     StepTensor t = tensor_of(a, k);
-    if (a.seed) {
-      const uint32_t tk = key_step(next_step(step));
-      for (uint32_t s = 0; s < 3; ++s) t.keys[s] = stream_key(seed, tk, s);
-    }
+    if (a.seed) t.key = step_key(seed, key_step(next_step(step)));
     ts.push_back(t);
     cs.push_back(make(coef, lr_f, step));
   }

@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(kThreads) adafactor_kernel(const int64_t* tabl
     const double root_n = sqrt(double(n));
     const double alpha = af_max(double(__fsqrt_rn(float(w_sumsq))) / root_n, h.eps2) * rho;
     const float step = float(alpha / af_max(double(__fsqrt_rn(float(u_sumsq))) / (root_n * h.d), 1.0));
-    const uint32_t key = kFmt == kMasterNone ? stream_key(uint64_t(*a.seed), key_step(tl.t), kStreamWeight) : 0u;
+    const uint32_t key = kFmt == kMasterNone ? step_key(uint64_t(*a.seed), key_step(tl.t)) : 0u;
     float* f = h.factors + tl.row[4];
     if (s.factored) {
       const float* rows = f + tl.b * s.R;

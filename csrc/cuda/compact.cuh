@@ -8,10 +8,11 @@
 // (Op::apply, the codecs), in the same order as the reference; only the distribution of elements over threads
 // and the width of the accesses differ from a one-element-per-thread loop, so the bits are the same.
 //
-// Draws: element i of a parameter draws at index offset + i of the flat buffers, random_bits(key, index) =
-// mix32((key + hi * golden) ^ lo) with lo, hi the index's 32-bit halves. A vector group folds its index into
-// the key once (group_key) and each element xors in its place in the group; a group whose indices cross a change
-// of hi is never a vector group (update_chunk_compact sends it to the masked path, which calls random_bits).
+// Draws: element i of a parameter draws once, at index offset + i of the flat buffers, random_bits(key, index) =
+// mix32((key + hi * golden) ^ lo) with lo, hi the index's 32-bit halves, and each stream it rounds (weight,
+// moments) takes its rotation of that draw (stream_bits). A vector group folds its index into the key once
+// (group_key) and each element xors in its place in the group; a group whose indices cross a change of hi is
+// never a vector group (update_chunk_compact sends it to the masked path, which calls random_bits).
 #pragma once
 
 #include <type_traits>
@@ -149,12 +150,22 @@ __device__ __forceinline__ GroupKey group_key(uint32_t key, int64_t index0) {
   return GroupKey{hi ^ lo, hi ^ (lo + 4u)};
 }
 
-// The draw of element k of a group: in a masked group, random_bits itself (any index); in a vector group, from
+// The draws of a group's elements: in a masked group, random_bits itself (any index); in a vector group, from
 // its group key.
 template <int kAcc>
-__device__ __forceinline__ uint32_t draw(uint32_t key, const GroupKey& gk, int64_t index0, int k) {
-  if constexpr (kAcc == kMasked) return random_bits(key, index0 + k);
-  return mix32(k < 4 ? gk.x0 ^ uint32_t(k) : gk.x4 ^ uint32_t(k - 4));
+__device__ __forceinline__ void group_draws(uint32_t key, int64_t index0, uint32_t* r) {
+  if constexpr (kAcc == kMasked) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) r[k] = random_bits(key, index0 + k);
+  } else {
+    const GroupKey gk = group_key(key, index0);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) r[k] = mix32(k < 4 ? gk.x0 ^ uint32_t(k) : gk.x4 ^ uint32_t(k - 4));
+  }
+  // Kept, not recomputed: without this the compiler may hash again in each stream's store (the moments'
+  // stores sit under runtime tests of their buffers), three hashes per element instead of one.
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) asm volatile("" : "+r"(r[k]));
 }
 
 // ---- the pointers of one chunk --------------------------------------------------------------------------
@@ -187,9 +198,10 @@ __device__ __forceinline__ void load_weights(const Streams<G, P, S>& s, int64_t 
   }
 }
 
+// (r: the group's draws; the weight's stream rounds with them as they are)
 template <int kFmt, int kMain, int kS16, typename G, typename P, typename S>
 __device__ __forceinline__ void store_weights(const Streams<G, P, S>& s, int64_t i, int live, const float* w,
-                                              uint32_t kw, const GroupKey& gkw, int64_t index0) {
+                                              const uint32_t* r) {
   if constexpr (kFmt == kMasterRemainder) {
     uint32_t wb[kVec], rb[kVec];
 #pragma unroll
@@ -203,7 +215,7 @@ __device__ __forceinline__ void store_weights(const Streams<G, P, S>& s, int64_t
   } else if constexpr (kFmt == kMasterNone) {
     uint32_t wb[kVec];
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) wb[k] = round_stochastic_bits(w[k], draw<kMain>(kw, gkw, index0, k));
+    for (int k = 0; k < kVec; ++k) wb[k] = round_stochastic_bits(w[k], stream_bits<kStreamWeight>(r[k]));
     store_bits<kMain>(reinterpret_cast<uint16_t*>(s.param) + i, live, wb);
   } else {
     if (s.master) store_group<kMain>(s.master + i, live, w);
@@ -224,15 +236,15 @@ __device__ __forceinline__ void load_moments(const S* __restrict__ p, int live, 
   }
 }
 
-template <int kMain, int kS16, typename S>
-__device__ __forceinline__ void store_moments(S* __restrict__ p, int live, const float* v, uint32_t key,
-                                              const GroupKey& gkey, int64_t index0) {
+// (kStream: the moment's stream; r: the group's draws)
+template <int kMain, int kS16, uint32_t kStream, typename S>
+__device__ __forceinline__ void store_moments(S* __restrict__ p, int live, const float* v, const uint32_t* r) {
   if constexpr (std::is_same<S, float>::value) {
     store_group<kMain>(p, live, v);
   } else {
     uint32_t b[kVec];
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) b[k] = round_stochastic_bits(v[k], draw<kMain>(key, gkey, index0, k));
+    for (int k = 0; k < kVec; ++k) b[k] = round_stochastic_bits(v[k], stream_bits<kStream>(r[k]));
     store_bits<kS16>(reinterpret_cast<uint16_t*>(p), live, b);
   }
 }
@@ -242,7 +254,7 @@ __device__ __forceinline__ void store_moments(S* __restrict__ p, int live, const
 // Elements [i, i + live) of one parameter (live == kVec unless kMain == kMasked), index0 = offset + i.
 template <typename Op, int kFmt, int kMain, int kS16, typename G, typename P, typename S>
 __device__ __forceinline__ void compact_group(const Streams<G, P, S>& s, int64_t i, int live, int64_t index0,
-                                              const typename Op::Consts& c, const uint32_t* keys) {
+                                              const typename Op::Consts& c, uint32_t key) {
   float g[kVec], w[kVec], v1[kVec], v2[kVec];
   load_group<kMain>(s.grad + i, live, g);
   load_weights<kFmt, kMain, kS16>(s, i, live, w);
@@ -253,18 +265,20 @@ __device__ __forceinline__ void compact_group(const Streams<G, P, S>& s, int64_t
   if (kS2 && s.s2) load_moments<kMain, kS16>(s.s2 + i, live, v2);
 #pragma unroll
   for (int k = 0; k < kVec; ++k) Op::apply(g[k], w[k], v1[k], v2[k], c);
-  if (s.s1) store_moments<kMain, kS16>(s.s1 + i, live, v1, keys[1], group_key(keys[1], index0), index0);
-  if (kS2 && s.s2) store_moments<kMain, kS16>(s.s2 + i, live, v2, keys[2], group_key(keys[2], index0), index0);
-  store_weights<kFmt, kMain, kS16>(s, i, live, w, keys[0], group_key(keys[0], index0), index0);
+  uint32_t r[kVec];  // drawn only where something rounds stochastically
+  if constexpr (kFmt == kMasterNone || !std::is_same<S, float>::value) group_draws<kMain>(key, index0, r);
+  if (s.s1) store_moments<kMain, kS16, kStreamState1>(s.s1 + i, live, v1, r);
+  if (kS2 && s.s2) store_moments<kMain, kS16, kStreamState2>(s.s2 + i, live, v2, r);
+  store_weights<kFmt, kMain, kS16>(s, i, live, w, r);
 }
 
 // Groups [g0, g1) of the chunk starting at element lo, vector accesses, one group per thread per trip.
 template <typename Op, int kFmt, int kS16, typename G, typename P, typename S>
 __device__ __forceinline__ void compact_groups(const Streams<G, P, S>& s, int64_t lo, int64_t g0, int64_t g1,
-                                               int64_t offset, const typename Op::Consts& c, const uint32_t* keys) {
+                                               int64_t offset, const typename Op::Consts& c, uint32_t key) {
   for (int64_t gi = g0 + threadIdx.x; gi < g1; gi += kThreads) {
     const int64_t i = lo + gi * kVec;
-    compact_group<Op, kFmt, kVector, kS16>(s, i, kVec, offset + i, c, keys);
+    compact_group<Op, kFmt, kVector, kS16>(s, i, kVec, offset + i, c, key);
   }
 }
 
@@ -275,7 +289,7 @@ __device__ __forceinline__ void compact_groups(const Streams<G, P, S>& s, int64_
 template <typename G, typename P, typename Op, int kFmt, typename S>
 __device__ __forceinline__ void update_chunk_compact(const StepArgs& a, const G* grad, P* param, int64_t n,
                                                      int64_t offset, int64_t lo, const typename Op::Consts& c,
-                                                     const uint32_t* keys) {
+                                                     uint32_t key) {
   const int64_t hi = n < lo + kStepChunk ? n : lo + kStepChunk;
   Streams<G, P, S> s;
   s.grad = grad;
@@ -300,20 +314,20 @@ __device__ __forceinline__ void update_chunk_compact(const StepArgs& a, const G*
   const int64_t turn = int64_t(((uint64_t(offset + lo) >> 32) + 1) << 32) - offset;  // an element of the param
   if (turn < lo + groups * kVec && (turn - lo) % kVec != 0) cross = (turn - lo) / kVec;
   if (s16 == kVector) {
-    compact_groups<Op, kFmt, kVector>(s, lo, 0, cross, offset, c, keys);
-    if (cross < groups) compact_groups<Op, kFmt, kVector>(s, lo, cross + 1, groups, offset, c, keys);
+    compact_groups<Op, kFmt, kVector>(s, lo, 0, cross, offset, c, key);
+    if (cross < groups) compact_groups<Op, kFmt, kVector>(s, lo, cross + 1, groups, offset, c, key);
   } else if (groups) {
-    compact_groups<Op, kFmt, kHalves>(s, lo, 0, cross, offset, c, keys);
-    if (cross < groups) compact_groups<Op, kFmt, kHalves>(s, lo, cross + 1, groups, offset, c, keys);
+    compact_groups<Op, kFmt, kHalves>(s, lo, 0, cross, offset, c, key);
+    if (cross < groups) compact_groups<Op, kFmt, kHalves>(s, lo, cross + 1, groups, offset, c, key);
   }
   if (cross < groups && threadIdx.x == kThreads - 1) {
     const int64_t i = lo + cross * kVec;
-    compact_group<Op, kFmt, kMasked, kMasked>(s, i, kVec, offset + i, c, keys);
+    compact_group<Op, kFmt, kMasked, kMasked>(s, i, kVec, offset + i, c, key);
   }
   // the rest (after the last vector group, or the whole chunk when misaligned): masked groups
   for (int64_t i = lo + groups * kVec + int64_t(threadIdx.x) * kVec; i < hi; i += int64_t(kThreads) * kVec) {
     const int live = hi - i < kVec ? int(hi - i) : kVec;
-    compact_group<Op, kFmt, kMasked, kMasked>(s, i, live, offset + i, c, keys);
+    compact_group<Op, kFmt, kMasked, kMasked>(s, i, live, offset + i, c, key);
   }
 }
 

@@ -45,7 +45,7 @@ struct ChunkRow {
   int64_t offset;   // of its first element in master / state1 / state2
   int64_t row;      // table row; -1 before the first chunk
   int64_t lo;       // first element of the chunk
-  uint32_t keys[3]; // compact state: stream_key of the weight, state1, state2 at this parameter's step
+  uint32_t key;     // compact state: step_key at this parameter's step (each element's one draw)
 };
 
 // Elements [lo, min(n, lo + kStepChunk)) of one parameter, in memory order, by the whole block.
@@ -116,6 +116,7 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const StepArgs a, const 
 
   __shared__ ChunkRow<typename Op::Consts> cur;
   if (threadIdx.x == 0) cur.row = -1;  // read and written by thread 0 only until the barrier below
+  if constexpr (std::is_same<S, uint8_t>::value) q8_fill_tables(q8_tables());  // (ordered by that barrier)
   for (int64_t ci = blockIdx.x; ci < work.num_chunks; ci += gridDim.x) {
     if (threadIdx.x == 0) {
       const int64_t item = work.chunks[ci];
@@ -131,7 +132,7 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const StepArgs a, const 
         cur.consts = Op::make(pro.coef, pro.lr, step, h);
         if (a.seed) {
           const uint32_t t = key_step(next_step(step));
-          for (uint32_t k = 0; k < 3; ++k) cur.keys[k] = stream_key(uint64_t(*a.seed), t, k);
+          cur.key = step_key(uint64_t(*a.seed), t);
         }
       }
       cur.lo = work_index(item) * kStepChunk;
@@ -142,13 +143,11 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const StepArgs a, const 
       update_chunk<G, P, Op>(a, static_cast<const G*>(cur.grad), static_cast<P*>(cur.param), cur.n, cur.offset,
                              cur.lo, c);
     } else if constexpr (std::is_same<S, uint8_t>::value) {
-      const uint32_t keys[3] = {cur.keys[0], cur.keys[1], cur.keys[2]};
       update_chunk_q8<G, P, Op, kFmt>(a, static_cast<const G*>(cur.grad), static_cast<P*>(cur.param), cur.n,
-                                      cur.offset, cur.lo, c, keys);
+                                      cur.offset, cur.lo, c, cur.key, q8_tables());
     } else {
-      const uint32_t keys[3] = {cur.keys[0], cur.keys[1], cur.keys[2]};
       update_chunk_compact<G, P, Op, kFmt, S>(a, static_cast<const G*>(cur.grad), static_cast<P*>(cur.param), cur.n,
-                                              cur.offset, cur.lo, c, keys);
+                                              cur.offset, cur.lo, c, cur.key);
     }
     __syncthreads();  // everyone is done with `cur` before thread 0 moves it to the next chunk
   }

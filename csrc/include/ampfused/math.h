@@ -270,7 +270,8 @@ AF_HD void sgd_update(float g, float& w, float& b, const SgdConsts& c) {
 // How a step keeps its master weights: an fp32 buffer (or fp32 parameters that are their own master), the
 // 16-bit remainders of bf16 parameters, or none (bf16 parameters rounded stochastically).
 enum MasterFormat : int { kMasterF32 = 0, kMasterRemainder = 1, kMasterNone = 2 };
-// Streams of the stochastic rounding: the weight, state1 (exp_avg / momentum_buf), state2 (exp_avg_sq).
+// Streams of the stochastic rounding: the weight, state1 (exp_avg / momentum_buf), state2 (exp_avg_sq), each
+// rounding with its rotation of the element's one draw (stream_bits).
 enum RandomStream : uint32_t { kStreamWeight = 0, kStreamState1 = 1, kStreamState2 = 2 };
 
 // state_precision.mix32: a 32-bit integer hash (a bijection).
@@ -283,12 +284,12 @@ AF_HD uint32_t mix32(uint32_t x) {
   return x;
 }
 
-// state_precision.stream_key: one parameter's key at its step t (the step being taken) in a stream.
-AF_HD uint32_t stream_key(uint64_t seed, uint32_t t, uint32_t stream) {
+// state_precision.step_key: one parameter's key at its step t (the step being taken).
+AF_HD uint32_t step_key(uint64_t seed, uint32_t t) {
   uint32_t k = mix32(uint32_t(seed) ^ 0x243F6A88u);
   k = mix32(k ^ uint32_t(seed >> 32));
   k = mix32(k ^ t);
-  return mix32(k ^ (stream * 0x9E3779B9u));
+  return mix32(k);
 }
 
 // The step number of a key: t = steps[i] + 1 (an integer-valued float), as an integer mod 2^32.
@@ -298,6 +299,19 @@ AF_HD uint32_t key_step(double t) { return uint32_t(uint64_t(int64_t(t))); }
 AF_HD uint32_t random_bits(uint32_t key, int64_t index) {
   const uint64_t u = uint64_t(index);
   return mix32((key + uint32_t(u >> 32) * 0x9E3779B9u) ^ uint32_t(u));
+}
+
+// state_precision.stream_bits: the bits stream S rounds with, the element's draw r rotated left by 11 S (one
+// funnel shift on a GPU).
+template <uint32_t S>
+AF_HD uint32_t stream_bits(uint32_t r) {
+  static_assert(S <= kStreamState2, "streams 0, 1, 2");
+  constexpr uint32_t k = 11u * S;
+  if constexpr (k == 0) {
+    return r;
+  } else {
+    return (r << k) | (r >> (32u - k));
+  }
 }
 
 // state_precision.round_stochastic: fp32 -> bf16 bits, up in magnitude with probability (dropped bits) / 2^16.
@@ -368,22 +382,6 @@ AF_HD int32_t q8_block_exponent(uint32_t max_abs_bits) { return q8_clamp_exponen
 AF_HD float q8_scale(int32_t e) { return f32_from_bits(uint32_t(e) << 23); }
 AF_HD int32_t q8_exponent(float scale) { return q8_clamp_exponent(int32_t((f32_bits(scale) >> 23) & 0xffu)); }
 
-// state_precision.q8_encode: x rounded stochastically (the low bits of r) to the code of its block's exponent.
-template <bool kSigned>
-AF_HD uint8_t q8_encode(float x, int32_t block_exp, uint32_t r) {
-  const uint32_t u = f32_bits(x);
-  const uint32_t a = q8_abs_bits(x);
-  const int32_t ex = int32_t(a >> 23);
-  const uint32_t sig = (a & 0x7fffffu) | (ex > 0 ? 0x800000u : 0u);
-  const int32_t e = (ex > 1 ? ex : 1) - block_exp + Q8Format<kSigned>::kTop;  // the code's exponent field
-  const int32_t shift = 20 + (e < 1 ? 1 - e : 0);                           // significand bits dropped
-  const int32_t s = shift < 31 ? shift : 31;
-  const uint32_t q = shift > 31 ? 0u : (sig + (r & ((1u << s) - 1u))) >> s;
-  uint32_t mag = uint32_t((e > 1 ? e : 1) - 1) * 8u + q;
-  mag = mag < Q8Format<kSigned>::kMaxMag ? mag : Q8Format<kSigned>::kMaxMag;
-  return uint8_t(kSigned ? (mag | ((u >> 24) & 0x80u)) : mag);
-}
-
 // The smallest q8_abs_bits whose code is normal (exponent field >= 1) at block exponent e.
 template <bool kSigned>
 AF_HD uint32_t q8_normal_floor(int32_t block_exp) {
@@ -403,6 +401,21 @@ AF_HD uint32_t q8_encode_normal(uint32_t u, uint32_t r, uint32_t offset) {
   const uint32_t mag = (((u & 0x7fffffffu) + (r & 0xFFFFFu)) >> 20) - offset;
   const uint32_t sat = mag < Q8Format<kSigned>::kMaxMag ? mag : Q8Format<kSigned>::kMaxMag;
   return kSigned ? (sat | ((u >> 24) & 0x80u)) : sat;
+}
+
+// state_precision.q8_encode: x rounded stochastically (the low 20 bits of r) to the code of its block's
+// exponent. A value below the codes' normal range (q8_abs_bits under q8_normal_floor) is first carried into it
+// as the fp32 sum F + |x| (F the smallest normal code's value; rounded to nearest even; an fp32 subnormal |x|
+// counts as 0), whose bits one binade down then take q8_encode_normal's path: one form for every value, a float
+// add and a select where a variable shift and mask would be.
+template <bool kSigned>
+AF_HD uint8_t q8_encode(float x, int32_t block_exp, uint32_t r) {
+  const uint32_t u = f32_bits(x);
+  const uint32_t a = q8_abs_bits(x);
+  const uint32_t floor = q8_normal_floor<kSigned>(block_exp);
+  const float carried = f32_from_bits(a < 0x800000u ? 0u : a) + f32_from_bits(floor);
+  const uint32_t w = a < floor ? f32_bits(carried) - 0x800000u : a;
+  return uint8_t(q8_encode_normal<kSigned>(w | (u & 0x80000000u), r, q8_normal_offset<kSigned>(block_exp)));
 }
 
 // state_precision.q8_decode: a code -> its value at its block's exponent (exact: integer and power-of-two
