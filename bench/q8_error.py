@@ -85,6 +85,21 @@ def train_moments(steps: int, cfg: M.Config):
     return moments, loss.item(), what
 
 
+def below_normal(x: torch.Tensor, signed: bool, span: int) -> tuple:
+    """(spans of ``span`` elements, from the parameter's first, holding a value below their blocks' normal range,
+    spans): the blocks whose codes the CUDA kernels encode out of line (``span`` 256: one block) or a vote over
+    Triton's 1024-element kernel block would send to the general encoder."""
+    b = _blocks(x)
+    real = _blocks(torch.ones_like(x)) > 0
+    e = sp.q8_block_exponent(torch.where(real, sp.q8_abs_bits(b), 0).amax(dim=1, keepdim=True))
+    low = (sp.q8_abs_bits(b) < ((e - sp.Q8_TOP[signed] + 1) << 23)) & real
+    per = span // BLOCK
+    rows = -(-low.shape[0] // per) * per
+    low = torch.cat([low.any(dim=1), low.new_zeros(rows - low.shape[0])]).view(-1, per).any(dim=1)
+    spans = -(-x.numel() // span)
+    return int(low[:spans].sum()), spans
+
+
 def measure(moments, store, eps):
     rel = {True: [], False: []}
     zeros = nonzero = 0
@@ -116,6 +131,13 @@ def main(argv=None) -> int:
           f"(layers {cfg.layers}, width {cfg.width}), {args.steps} AdamW steps (loss {loss:.3f}) on {what}")
     zeros_v = sum(int((v == 0).sum()) for _, v in moments)
     print(f"# exp_avg_sq: {zeros_v} of {n} elements are exactly zero in fp32")
+    shares = []
+    for name, k, signed in (("exp_avg", 0, True), ("exp_avg_sq", 1, False)):
+        for span in (BLOCK, 4 * BLOCK):
+            low, total = map(sum, zip(*(below_normal(mv[k], signed, span) for mv in moments)))
+            shares.append(f"{name} {low / total:.1%} of {total} spans of {span}")
+    print("# spans holding a value below their blocks' normal range (encoded by the general form): "
+          + ", ".join(shares))
     formats = {"q8 (nearest)": q8_nearest, "q8 (stochastic)": q8_stochastic, "linear int8": linear_int8}
     tree = dynamic_tree()
     if tree is not None:

@@ -466,6 +466,14 @@ def test_the_format_comparison_script_measures_what_the_doc_says():
     linear = Q.measure(moments, Q.linear_int8, 1e-8)
     assert ours[0] < 2 ** -4 and ours[1] < 2 ** -4  # mean relative error within half a code step
     assert linear[2] > 10 * max(ours[2], 1e-4) and linear[3] > 100 * ours[3]
+    # the share of blocks with a value below their codes' normal range (2^-13 of the largest for signed codes):
+    # a block of 256 near 1 (none), then a partial block of 44 holding one value at 2^-20 (the padding past the
+    # parameter's end does not count); as one 1024-element span, one of one
+    x = torch.cat([torch.full((256,), 1.0), torch.full((44,), 0.5)])
+    assert Q.below_normal(x, True, 256) == (0, 2)
+    x[260] = 2.0 ** -20
+    assert Q.below_normal(x, True, 256) == (1, 2) and Q.below_normal(x, True, 1024) == (1, 1)
+    assert Q.below_normal(torch.zeros(10), False, 256) == (1, 1)  # zeros are below it too (the kernels' vote)
 
 
 def _as_exponents(sd):

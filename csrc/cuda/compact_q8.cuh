@@ -50,8 +50,8 @@ __device__ __forceinline__ void q8_fill_tables(Q8Tables* t) {
 
 // q8_encode out of line: a block with a value below its codes' normal range takes it, the others
 // q8_encode_normal inline. (A block spans 2^13, for exp_avg_sq 2^29, of its largest value in normal codes: in
-// the alignment study's AdamW run about one exp_avg block in nine has a smaller value, one exp_avg_sq block in a
-// hundred; docs/state-precision.md.)
+// the alignment study's AdamW run about one exp_avg block in seven has a smaller value; python -m bench.q8_error,
+// docs/state-precision.md.)
 template <bool kSigned>
 __device__ __noinline__ uint32_t q8_encode_any(float x, int32_t block_exp, uint32_t r) {
   return q8_encode<kSigned>(x, block_exp, r);
