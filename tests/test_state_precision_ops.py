@@ -224,7 +224,8 @@ def test_q8_codes_are_unbiased_exact_to_decode_and_saturate():
 def test_q8_values_below_the_normal_range_are_carried_into_it():
     """A value under F (the smallest normal code's value) is encoded through the fp32 sum F + |x|: multiples of the
     subnormal step are exact whatever the draw, an fp32 subnormal is 0, and the rest round stochastically without
-    bias, down to values far below the step (which the code would otherwise flush to 0)."""
+    bias, down to values far below the step (2^-15 of the normal range: past the 31 bits a shift-and-mask
+    encoder could drop)."""
     g = torch.Generator().manual_seed(5)
     for signed in (True, False):
         top = sp.Q8_TOP[signed]
