@@ -49,8 +49,8 @@ constexpr int32_t kCompactBlock = 256;
 //    overlap across many elements);
 //  - the stores: hash, round, pack to 16 or 8 bits. Without 8-bit moments, a block with no NaN among its
 //    results (told by one sum per element) stores through the NaN-free forms above, any other block through
-//    math.h's. With them, the weight is stored in the update loop instead (its hash fills the slots the
-//    divisions leave; measured faster with AVX-512, the same with AVX2), the block's new exponents come from
+//    math.h's. With them, the weight is stored in the update loop instead (its hash, kept for the moments'
+//    encode, fills the slots the divisions leave; measured faster with AVX-512, the same with AVX2), the block's new exponents come from
 //    an integer max of its new moments, and a block whose codes are all normal is encoded by
 //    q8_encode_normal, any other by q8_encode.
 template <typename G, typename P, int kFmt, bool kMaster, typename S, int kStates, typename Consts, typename Apply>
@@ -78,8 +78,9 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
   float* __restrict sc2 = b.state_scales + b.scale_blocks;
   const uint32_t kw = random_key_high(t.key, index_high);
   const uint32_t index_low = uint32_t(uint64_t(at));
-  // The weight's stores: careful, math.h's forms (any value); else the NaN-free ones.
-  const auto store_weight = [&](int32_t e, float w, auto careful) {
+  // The weight's stores: careful, math.h's forms (any value); else the NaN-free ones. r: the element's draw
+  // (stream_bits<kStreamWeight> is the draw itself), read without a master only.
+  const auto store_weight = [&](int32_t e, float w, uint32_t r, auto careful) {
     constexpr bool kCareful = decltype(careful)::value;
     const uint32_t u = f32_bits(w);
     if constexpr (kFmt == kMasterRemainder) {
@@ -87,7 +88,6 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
       rem[e] = remainder_of_code(code);
       pw[e] = kCareful ? weight_of_code(code) : weight_of_finite(u);
     } else if constexpr (kFmt == kMasterNone) {
-      const uint32_t r = random_bits_low(kw, index_low + uint32_t(e));  // (stream_bits<kStreamWeight>: r)
       pw[e] = kCareful ? round_stochastic_bits(w, r) : round_stochastic_finite(u, r);
     } else if constexpr (kNearestBf16) {
       pw[e] = kCareful ? from_f32<bf16_t>(w).bits : bf16_nearest_finite(u);
@@ -96,6 +96,9 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
     }
   };
   alignas(64) float wb[kCompactBlock], ab[kCompactBlock], cb[kCompactBlock];
+  // 8-bit moments without a master: each element's draw, hashed in the update loop for the weight and read back
+  // by the encode pass for the moments (one hash per element)
+  alignas(64) uint32_t rb[kQ8State && kFmt == kMasterNone ? kCompactBlock : 1];
   for (int32_t j0 = 0; j0 < n; j0 += kCompactBlock) {
     const int32_t m = std::min(kCompactBlock, n - j0);
     // 8-bit moments: with the layout's offsets at multiples of kQBlock (and lo at one of kStepBlock, or where
@@ -130,7 +133,9 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
       ab[j] = a;
       cb[j] = c;
       if constexpr (kQ8State) {
-        store_weight(e, w, std::true_type{});
+        uint32_t r = 0;
+        if constexpr (kFmt == kMasterNone) r = rb[j] = random_bits_low(kw, index_low + uint32_t(e));
+        store_weight(e, w, r, std::true_type{});
         // the extremes of |x| as bits (q8_abs_bits's NaN clamp is applied to them below: it is monotonic)
         if constexpr (kStates >= 1) big1 = std::max(big1, abs_bits(a)), small1 = std::min(small1, abs_bits(a));
         if constexpr (kStates >= 2) big2 = std::max(big2, abs_bits(c)), small2 = std::min(small2, abs_bits(c));
@@ -149,7 +154,9 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
         constexpr bool kNormal = decltype(all_normal)::value;
 #pragma omp simd
         for (int32_t j = 0; j < m; ++j) {
-          const uint32_t r = random_bits_low(kw, index_low + uint32_t(j0 + j));
+          uint32_t r;
+          if constexpr (kFmt == kMasterNone) r = rb[j];
+          else r = random_bits_low(kw, index_low + uint32_t(j0 + j));
           if constexpr (kStates >= 1) {
             const uint32_t r1 = stream_bits<kStreamState1>(r);
             q1[j0 + j] = uint8_t(kNormal ? q8_encode_normal<true>(f32_bits(ab[j]), r1, off1)
@@ -172,7 +179,8 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
 #pragma omp simd
         for (int32_t j = 0; j < m; ++j) {
           const int32_t e = j0 + j;
-          const uint32_t r = random_bits_low(kw, index_low + uint32_t(e));  // (unused without bf16 moments)
+          // the element's one draw (unused where nothing is rounded stochastically)
+          const uint32_t r = random_bits_low(kw, index_low + uint32_t(e));
           if constexpr (kStates >= 1 && kBf16State) {
             const uint32_t r1 = stream_bits<kStreamState1>(r);
             h1[e] = kCareful ? round_stochastic_bits(ab[j], r1) : round_stochastic_finite(f32_bits(ab[j]), r1);
@@ -181,7 +189,7 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
             const uint32_t r2 = stream_bits<kStreamState2>(r);
             h2[e] = kCareful ? round_stochastic_bits(cb[j], r2) : round_stochastic_finite(f32_bits(cb[j]), r2);
           }
-          store_weight(e, wb[j], careful);
+          store_weight(e, wb[j], r, careful);
         }
       };
       if (nan) stores(std::true_type{});
