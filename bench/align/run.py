@@ -37,6 +37,7 @@ from . import report as R
 from . import runs as T
 from ..common import env as envmod
 from ..common.env import RESULTS
+from ..common.settings import restores_torch_settings
 
 
 DESCRIPTION = ("Does ampfused train to the same loss as torch's mixed-precision recipe, every step of a long run? "
@@ -169,6 +170,7 @@ def execute(cfg: M.Config, device: torch.device, fp16_compute: torch.dtype, log=
     return Outcome(runs, figs, masters, same, bars, deterministic, "\n".join(lines), len(head))
 
 
+@restores_torch_settings
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -40,7 +40,6 @@ import copy
 import dataclasses
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -235,14 +234,14 @@ def collectives_alone(bucket_numels: List[int], numel: int, device: torch.device
             f"all-gather {ag:.3g} ms = {rs + ag:.3g} ms")
 
 
-def _entry(rank: int, cfg: Config, port: int, result_path: str) -> None:
+def _entry(rank: int, cfg: Config, store: str, result_path: str) -> None:
     torch.set_num_threads(cfg.threads)
     if cfg.comm == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(cfg.comm, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg.world,
+    dist.init_process_group(cfg.comm, init_method=f"file://{store}", rank=rank, world_size=cfg.world,
                             timeout=timedelta(seconds=cfg.timeout_s))
     try:
         try:
@@ -258,12 +257,6 @@ def _entry(rank: int, cfg: Config, port: int, result_path: str) -> None:
 
 
 _PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "ampfused", "ampfused.distributed", __name__]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_world(world: int) -> Optional[str]:
@@ -286,7 +279,8 @@ def launch(cfg: Config) -> dict:
         # A fork server imports torch and ampfused once (in a fresh interpreter: nothing of this process, CUDA or
         # threads, is inherited) and forks every rank from there, so a rank starts in milliseconds.
         mp.set_forkserver_preload(_PRELOAD)
-        ctx = mp.start_processes(_entry, args=(cfg, _free_port(), path), nprocs=cfg.world, join=False,
+        # the ranks meet through a file store in this run's folder: no port to race another run for
+        ctx = mp.start_processes(_entry, args=(cfg, os.path.join(tmp, "store"), path), nprocs=cfg.world, join=False,
                                  start_method="forkserver")
         deadline = time.monotonic() + cfg.timeout_s
         try:

@@ -166,8 +166,7 @@ def run_limited(cmd: Sequence[str], env: Dict[str, str], cwd: str, limit: float,
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
         try:
-            proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = start_group(cmd, env, cwd, log)
         except OSError as e:
             log.write(f"cannot start {cmd[0]}: {e}\n".encode())
             return 127, time.monotonic() - t0, False
@@ -178,17 +177,37 @@ def run_limited(cmd: Sequence[str], env: Dict[str, str], cwd: str, limit: float,
             return code, time.monotonic() - t0, False
         except subprocess.TimeoutExpired:
             pass
-        _signal_group(proc, signal.SIGINT)
-        try:
-            proc.wait(timeout=max(0.5, limit - (time.monotonic() - t0)))
-        except subprocess.TimeoutExpired:
-            _signal_group(proc, signal.SIGKILL)
-            proc.wait()
-        _signal_group(proc, signal.SIGKILL)  # whatever of the group is left (workers, the sanitized process)
+        stop_group(proc, grace=max(0.5, limit - (time.monotonic() - t0)))
         wall = time.monotonic() - t0
         log.flush()
         log.write(f"\n[gpu_check: stopped at {wall:.1f} s: the stage's limit is {limit:.0f} s]\n".encode())
         return proc.returncode, wall, True
+
+
+def _interruptible() -> None:
+    # The stage is stopped by SIGINT first, so its process must take it whatever this one does with it: an
+    # ignored SIGINT is inherited across exec (a shell starts background jobs so), and so is a blocked one.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+
+
+def start_group(cmd: Sequence[str], env: Dict[str, str], cwd: str, log) -> subprocess.Popen:
+    """Start ``cmd`` as the leader of a new process group, SIGINT at its default, its output into ``log``."""
+    return subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_interruptible)
+
+
+def stop_group(proc: subprocess.Popen, grace: float) -> int:
+    """SIGINT to ``proc``'s group; SIGKILL if ``proc`` has not ended ``grace`` seconds later; then SIGKILL to
+    whatever of the group is left (workers, the sanitized process). Returns ``proc``'s exit status."""
+    _signal_group(proc, signal.SIGINT)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
+    _signal_group(proc, signal.SIGKILL)
+    return proc.returncode
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

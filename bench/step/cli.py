@@ -12,6 +12,7 @@ import torch
 from ..common import env as envmod
 from ..common import measure
 from ..common.env import RESULTS
+from ..common.settings import restores_torch_settings
 from . import report, workloads
 from .ampfused_variant import ampfused_backends, ampfused_variants
 from .check import MAX_ELEMENTS, CorrectnessError
@@ -178,6 +179,7 @@ _SWEEP_ONLY = ("workloads", "modes", "peers", "full", "dtypes", "clip", "no_scal
                "compile_budget", "rounds")
 
 
+@restores_torch_settings
 def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int:
     args = parser(prog).parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -27,6 +27,7 @@ import torch
 import ampfused
 from ampfused.optim import _gradients
 
+from ..common.settings import restores_torch_settings
 from . import host_stubs
 
 
@@ -148,6 +149,7 @@ def _ints(text: str) -> List[int]:
     return [int(float(t[:-1]) * (1 << 20)) if t.endswith("M") else int(t) for t in text.split(",")]
 
 
+@restores_torch_settings
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.step.host_time", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tensors", default="1,200,2000", help="comma-separated tensor counts (default 1,200,2000)")

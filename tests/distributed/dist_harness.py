@@ -1,12 +1,15 @@
 """Running a function on several gloo processes on this machine, with a deadline.
 
 ``run_ranks(fn, world, *args)`` spawns ``world`` processes that join one gloo process group (``backend="nccl"``:
-one GPU per rank) on a free port of 127.0.0.1 and call ``fn(rank, world, *args)``. An exception in any rank fails the call with that rank's
-traceback; a run still going at the deadline is killed and fails (a hang must not block the suite).
+one GPU per rank), meeting through a file store of their own (no port to race other runs for), and call
+``fn(rank, world, *args)``. An exception in any rank fails the call with that rank's traceback; a run still
+going at the deadline is killed and fails (a hang must not block the suite). The deadline and the group's
+timeout only bound a hang: they are generous, so that a slow or busy machine never fails a test.
 Workers hand results back by saving them under a directory the test gives them (``save`` / ``load``).
 """
 import os
-import socket
+import shutil
+import tempfile
 import time
 from datetime import timedelta
 
@@ -14,21 +17,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-TIMEOUT_S = 60
+TIMEOUT_S = 600
 SPAWN_EXTRA_S = 60  # spawned ranks (gloo on a GPU machine) import torch and ampfused themselves
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, fn, world, port, args, backend):
+def _entry(rank, fn, world, store, args, backend):
     torch.set_num_threads(1)  # several ranks share this machine's cores
     if backend == "nccl":
         torch.cuda.set_device(rank)  # one GPU per rank
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=TIMEOUT_S))
     try:
         torch.manual_seed(0)
@@ -42,13 +39,21 @@ _PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "ampfused", "ampf
 
 
 def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT_S, backend: str = "gloo") -> None:
+    meeting = tempfile.mkdtemp(prefix="ampfused-ranks-")
+    try:
+        _run(fn, world, args, timeout, backend, os.path.join(meeting, "store"))
+    finally:
+        shutil.rmtree(meeting, ignore_errors=True)
+
+
+def _run(fn, world: int, args: tuple, timeout: float, backend: str, store: str) -> None:
     if backend == "gloo" and torch.cuda.is_available():
         # gloo ranks are CPU ranks, as on a machine without a GPU: on a GPU machine they start as fresh
         # interpreters that see no device (else FSDP2 and accelerate would place the model on the GPU)
         hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         try:
-            ctx = mp.start_processes(_entry, args=(fn, world, free_port(), args, backend), nprocs=world,
+            ctx = mp.start_processes(_entry, args=(fn, world, store, args, backend), nprocs=world,
                                      join=False, start_method="spawn")
         finally:
             if hidden is None:
@@ -60,7 +65,7 @@ def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT_S, backend: str = 
         # A fork server imports torch and ampfused once per session and forks every rank from that clean process
         # (no threads started yet): a rank starts in milliseconds instead of importing torch again.
         mp.set_forkserver_preload(_PRELOAD + [fn.__module__])
-        ctx = mp.start_processes(_entry, args=(fn, world, free_port(), args, backend), nprocs=world, join=False,
+        ctx = mp.start_processes(_entry, args=(fn, world, store, args, backend), nprocs=world, join=False,
                                  start_method="forkserver")
     deadline = time.monotonic() + timeout
     try:

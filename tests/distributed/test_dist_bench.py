@@ -20,7 +20,7 @@ WIDTH, BLOCKS = 32, 2
 
 def _argv(tmp_path, *extra):
     return ["--distributed", "--device", "cpu", "--dist-width", str(WIDTH), "--dist-blocks", str(BLOCKS),
-            "--dist-batch", "4", "--reps", "5", "--warmup", "1", "--threads", "1", "--dist-timeout", "120",
+            "--dist-batch", "4", "--reps", "5", "--warmup", "1", "--threads", "1", "--dist-timeout", "600",
             "--no-progress", "--out", str(tmp_path), "--name", "d", *extra]
 
 

@@ -84,7 +84,7 @@ def _worker(rank, world, out, kind):
 
 @pytest.mark.parametrize("kind", ["ddp", "zero1", "fsdp2"])
 def test_nccl_step_is_the_single_process_step(tmp_path, kind):
-    run_ranks(_worker, WORLD, str(tmp_path), kind, backend="nccl", timeout=180)
+    run_ranks(_worker, WORLD, str(tmp_path), kind, backend="nccl")
     dev = torch.device("cuda", 0)
     model, wrapped, opt = _build("single", dev)
     skipped, scale = _train(model, wrapped, opt, dev, slice(None), WORLD)

@@ -74,7 +74,7 @@ def _one_rank(rank, world, out):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("torchtitan"))
-    run_ranks(_runs, 2, out, timeout=240)
+    run_ranks(_runs, 2, out)
     return out, load(out, 1)[0]
 
 
@@ -146,7 +146,7 @@ def test_compiled_model_and_loss(runs):
 
 def test_two_rank_checkpoint_resumes_on_one_rank(runs):
     out, r = runs
-    run_ranks(_one_rank, 1, out, timeout=120)
+    run_ranks(_one_rank, 1, out)
     one = load(os.path.join(out, "one_rank"), 1)[0]["fused_one_rank"]
     assert _series(one, "step") == list(range(CKPT + 1, STEPS + 1))
     for a, b in zip(_series(one, "loss_metrics/global_avg_loss"),

@@ -41,7 +41,7 @@ def _runs(rank, world, out):
 
 @pytest.mark.gpu
 def test_bf16_compiled_cuda_graph_run_matches_torchtitans_adamw(tmp_path):
-    run_ranks(_runs, 1, str(tmp_path), backend="nccl", timeout=600)
+    run_ranks(_runs, 1, str(tmp_path), backend="nccl")
     r = load(str(tmp_path), 1)[0]
     loss_t = [m["loss_metrics/global_avg_loss"] for m in r["torch"]["logged"]]
     loss_f = [m["loss_metrics/global_avg_loss"] for m in r["fused"]["logged"]]
