@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.utils import _python_dispatch
 
-from . import checks, library, reference, registry
+from . import checks, library, reference, registry, specs
 from .reference import clip_coef, memory_view, reduce_partials, state_layout
 from .registry import (Backend, available_backends, get_backend, register_backend, registered_backends,
                        resolve)
@@ -51,11 +51,12 @@ def _pick(device: torch.device, dtypes: tuple, backend: Optional[str]) -> str:
     return _backend_name(str(device), dtypes, backend)
 
 
-# positions of the arguments each op writes (as declared in library.py's mutates_args)
-_MUTATED = {"norm_check": (), "unscale_": (0,), "update_scale_": (0, 1, 6, 7), "adam_step_": (0, 2, 3, 4, 5, 9),
-            "sgd_step_": (0, 2, 3, 4, 8),  # adam: params, master, exp_avg, exp_avg_sq, steps, out_stats
-            "lion_step_": (0, 2, 3, 4, 8),  # params, master, exp_avg, steps, out_stats
-            "adafactor_step_": (0, 2, 3, 4, 8)}  # params, master, factors, steps, out_stats
+# positions of the arguments each op writes, and the step ops (which write only the parameters that had a
+# gradient); read once from the records, so the eager path below pays one dict lookup per call
+_MUTATED = {name: spec.written for name, spec in specs.SPECS.items()}
+_STEP_OPS = frozenset(name for name, spec in specs.SPECS.items() if spec.is_step)
+_ARG_NAMES = {name: spec.arg_names for name, spec in specs.SPECS.items()}
+_PROBE = {name: spec.arg_names.index(spec.probe) for name, spec in specs.SPECS.items()}
 
 
 def _call(op: str, probe: Tensor, *args, **kw):
@@ -68,21 +69,17 @@ def _call(op: str, probe: Tensor, *args, **kw):
         out = getattr(get_backend(args[-1]), op)(*args[:-1], **kw)
         written = []
         for i in _MUTATED[op]:
-            a = args[i]
+            a = args[i] if i < len(args) else kw.get(_ARG_NAMES[op][i])  # the compact state's come by name
             if isinstance(a, Tensor):
                 written.append(a)
-            elif i == 0 and op.endswith("_step_"):  # only the parameters that had a gradient
+            elif i == 0 and op in _STEP_OPS:  # only the parameters that had a gradient
                 written.extend(p for p, g in zip(a, args[1]) if g is not None)
             elif isinstance(a, (list, tuple)):
                 written.extend(a)
         if written:
             torch.autograd.graph.increment_version(written)
         return out
-    return getattr(library, op)(*_positional(op, args, kw))
-
-
-# each op's argument names, read once (traced code cannot read schemas)
-_ARG_NAMES = {op: tuple(a.name for a in getattr(library, op)._opoverload._schema.arguments) for op in _MUTATED}
+    return library.OPS[op](*_positional(op, args, kw))
 
 
 def _positional(op: str, args: tuple, kw: dict) -> tuple:
@@ -243,11 +240,11 @@ def step_backend(device, dtypes: tuple, backend: Optional[str] = None) -> str:
 
 
 def call_step_(op: str, *args, seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None) -> None:
-    """Run a step op (``"adam_step_"`` / ``"sgd_step_"``) with arguments already in the op's form and already
+    """Run a step op (``"adam_step_"``, ...: a name in ``specs.SPECS``) with arguments already in the op's form and
     validated, the backend name last (``seed``: the stochastic rounding's, for compact state): the fused
     optimizers validate what changed on the host and call this each step, so a step does not re-check every
     tensor."""
-    _call(op, args[5] if op == "adam_step_" else args[4], *args, **_compact_kwargs(seed, state_scales))
+    _call(op, args[_PROBE[op]], *args, **_compact_kwargs(seed, state_scales))
 
 
 def lion_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,

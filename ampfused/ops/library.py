@@ -1,4 +1,5 @@
-"""The ops as ``torch.library`` custom ops (``torch.ops.ampfused.*``), each with a fake implementation.
+"""The ops as ``torch.library`` custom ops (``torch.ops.ampfused.*``), each with a fake implementation, made
+from the records in :mod:`ampfused.ops.specs`: schema, written arguments and fake all come from the record.
 
 The backend is resolved in Python before the op is called and passed by name, so a compiled graph holds
 one opaque call per op and a step under ``torch.compile(fullgraph=True)`` has no graph break.
@@ -10,115 +11,47 @@ IndexError (under autograd's in-place kernel, dispatch modes, ``opcheck``).
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict
 
 import torch
-from torch import Tensor
 
 from .registry import get_backend
+from .specs import SPECS, OpSpec
 
 
-@torch.library.custom_op("ampfused::norm_check", mutates_args=())
-def norm_check(grads: List[Tensor], inv_scale: Tensor, backend: str) -> Tensor:
-    return get_backend(backend).norm_check(grads, inv_scale)
+def _bind(spec: OpSpec, args: tuple, kwargs: dict) -> tuple:
+    """Every argument in schema order: trailing ones the dispatcher dropped (equal to their default, ``None``)
+    put back, any passed by name put in place."""
+    names = spec.arg_names
+    return tuple(args) + tuple(kwargs.get(n) for n in names[len(args):])
 
 
-@norm_check.register_fake
-def _(grads, inv_scale, backend):
-    return inv_scale.new_empty(2, get_backend(backend).num_partials([g.numel() for g in grads]))
+def _kernel(spec: OpSpec):
+    b = spec.arg_names.index("backend")
+    after = spec.arg_names[b + 1:]
+
+    def kernel(*args, **kwargs):
+        args = _bind(spec, args, kwargs)
+        # those after the backend (the compact state's) go by name and only when given: a backend written
+        # before them keeps its signature
+        kw = {n: a for n, a in zip(after, args[b + 1:]) if a is not None}
+        return getattr(get_backend(args[b]), spec.name)(*args[:b], **kw)
+
+    kernel.__name__ = kernel.__qualname__ = spec.name
+    return kernel
 
 
-@torch.library.custom_op("ampfused::unscale_", mutates_args=("grads",))
-def unscale_(grads: List[Tensor], inv_scale: Tensor, backend: str) -> Tensor:
-    return get_backend(backend).unscale_(grads, inv_scale)
+def _fake(spec: OpSpec):
+    def fake(*args, **kwargs):
+        return None if spec.fake is None else spec.fake(*_bind(spec, args, kwargs))
+    return fake
 
 
-@unscale_.register_fake
-def _(grads, inv_scale, backend):
-    return inv_scale.new_empty(2, get_backend(backend).num_partials([g.numel() for g in grads]))
+def _define(spec: OpSpec) -> torch.library.CustomOpDef:
+    op = torch.library.custom_op(f"ampfused::{spec.name}", _kernel(spec), schema=spec.schema(),
+                                 mutates_args=tuple(spec.arg_names[i] for i in spec.written))
+    op.register_fake(_fake(spec))
+    return op
 
 
-@torch.library.custom_op("ampfused::update_scale_",
-                         mutates_args=("scale", "growth_tracker", "inv_scale", "skipped"))
-def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
-                  backoff_factor: float, growth_interval: int, inv_scale: Optional[Tensor],
-                  skipped: Optional[Tensor], backend: str) -> None:
-    get_backend(backend).update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor,
-                                       growth_interval, inv_scale, skipped)
-
-
-@update_scale_.register_fake
-def _(*args):
-    return None
-
-
-def _scales(state_scales: Optional[Tensor]) -> dict:
-    """``state_scales`` (8-bit moments' block scales) passed to a backend only when given: a backend written
-    before 8-bit moments keeps its signature."""
-    return {} if state_scales is None else {"state_scales": state_scales}
-
-
-@torch.library.custom_op("ampfused::adam_step_",
-                         mutates_args=("params", "master", "exp_avg", "exp_avg_sq", "steps", "out_stats",
-                                       "state_scales"))
-def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,
-               exp_avg_sq: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
-               beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float, decoupled: bool,
-               maximize: bool, backend: str, seed: Optional[Tensor],
-               state_scales: Optional[Tensor]) -> None:
-    get_backend(backend).adam_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
-                                    out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize,
-                                    seed=seed, **_scales(state_scales))
-
-
-@adam_step_.register_fake
-def _(*args):
-    return None
-
-
-@torch.library.custom_op("ampfused::sgd_step_",
-                         mutates_args=("params", "master", "momentum_buf", "steps", "out_stats", "state_scales"))
-def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
-              momentum_buf: Optional[Tensor], steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
-              out_stats: Tensor, momentum: float, dampening: float, weight_decay: float, nesterov: bool,
-              max_norm: float, maximize: bool, backend: str, seed: Optional[Tensor],
-              state_scales: Optional[Tensor]) -> None:
-    get_backend(backend).sgd_step_(params, grads, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
-                                   momentum, dampening, weight_decay, nesterov, max_norm, maximize, seed=seed,
-                                   **_scales(state_scales))
-
-
-@sgd_step_.register_fake
-def _(*args):
-    return None
-
-
-@torch.library.custom_op("ampfused::lion_step_",
-                         mutates_args=("params", "master", "exp_avg", "steps", "out_stats", "state_scales"))
-def lion_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,
-               steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta1: float,
-               beta2: float, weight_decay: float, max_norm: float, maximize: bool, backend: str,
-               seed: Optional[Tensor], state_scales: Optional[Tensor]) -> None:
-    get_backend(backend).lion_step_(params, grads, master, exp_avg, steps, partials, inv_scale, lr, out_stats,
-                                    beta1, beta2, weight_decay, max_norm, maximize, seed=seed,
-                                    **_scales(state_scales))
-
-
-@lion_step_.register_fake
-def _(*args):
-    return None
-
-
-@torch.library.custom_op("ampfused::adafactor_step_",
-                         mutates_args=("params", "master", "factors", "steps", "out_stats"))
-def adafactor_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], factors: Tensor,
-                    steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
-                    beta2_decay: float, eps1: Optional[float], eps2: float, d: float, weight_decay: float,
-                    max_norm: float, maximize: bool, backend: str, seed: Optional[Tensor] = None) -> None:
-    get_backend(backend).adafactor_step_(params, grads, master, factors, steps, partials, inv_scale, lr, out_stats,
-                                         beta2_decay, eps1, eps2, d, weight_decay, max_norm, maximize, seed=seed)
-
-
-@adafactor_step_.register_fake
-def _(*args, **kw):
-    return None
+OPS: Dict[str, torch.library.CustomOpDef] = {name: _define(spec) for name, spec in SPECS.items()}
