@@ -11,10 +11,10 @@ from typing import List, Tuple
 import torch
 
 from . import __version__, _native
-from .ops import registry
+from .ops import registry, specs
 
-OPS = ("num_partials", "norm_check", "unscale_", "update_scale_", "adam_step_", "sgd_step_",
-       "lion_step_", "adafactor_step_")
+# num_partials is no custom op, but every backend answers it and the step's shapes depend on it
+OPS = ("num_partials",) + tuple(specs.SPECS)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -115,9 +115,10 @@ def report() -> str:
         cell[op, name, dev] = "ok" if status == "ok" else f"[{notes.index(status) + 1}]"
     heads = [f"{name}@{dev}" for name, dev in cols]
     width = max(len(h) for h in heads) + 1
-    lines.append("  " + " " * 14 + "".join(f"{h:<{width}}" for h in heads))
+    first = max(len(op) for op in OPS) + 1
+    lines.append("  " + " " * first + "".join(f"{h:<{width}}" for h in heads))
     for op in OPS:
-        lines.append(f"  {op:<14}" + "".join(f"{cell[op, n, d]:<{width}}" for n, d in cols))
+        lines.append(f"  {op:<{first}}" + "".join(f"{cell[op, n, d]:<{width}}" for n, d in cols))
     lines += [f"  [{i + 1}] {why}" for i, why in enumerate(notes)]
     for dev in ("cpu", "cuda"):
         if dev == "cuda" and not torch.cuda.is_available():
