@@ -10,6 +10,7 @@ import torch
 
 import ampfused
 from ampfused import _native
+from ampfused.ops import native_args
 from ampfused.optim import _gradients
 from backends import cpu_backends
 from oracle import assert_bitwise
@@ -322,7 +323,7 @@ def test_the_cuda_backends_table_entries_hand_its_kernels_the_rows_of_its_list_e
     status, _, active, _, _ = _native.module("host").scan(seg.params, seg.record_address, seg.table_address, 1)
     assert (status, active) == (0, 2)
     grads = [p.grad for p in params]
-    rows, _ = _native.step_table(params, grads)
+    rows, _ = native_args.step_table(params, grads)
     assert seg.table.reshape(-1).tolist() == rows
 
     inv = torch.ones(())

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ampfused import _native, ops
-from ampfused.ops import reference
+from ampfused.ops import native_args, reference
 from ampfused.ops.reference import memory_view, state_layout
 from backends import TRITON_DEVICE, requires_triton
 from oracle import assert_bitwise, assert_close_to_oracle
@@ -458,7 +458,7 @@ def test_table_cache_reuses_and_rebuilds(small_geometry):
 def test_the_tensor_table_follows_the_state_layout():
     s = new_problem("adam", BF16, True, PARAMS + [((3, 2), "transposed", True, 0)])
     (grads,) = grads_for(PARAMS + [((3, 2), "transposed", True, 0)], BF16, 1)
-    rows, total = _native.step_table(s.params, grads)
+    rows, total = native_args.step_table(s.params, grads)
     offsets, want_total = state_layout([p.numel() for p in s.params])
     assert rows[3::4] == offsets == s.offsets and total == want_total
     assert rows[0::4] == [p.data_ptr() for p in s.params]

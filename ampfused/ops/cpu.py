@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .. import _native
 from . import checks
+from . import native_args as _A
 from .registry import Backend
 
 _N = _native
@@ -55,7 +56,7 @@ class CpuBackend(Backend):
     def _k1(self, grads: List[Tensor], inv_scale: Tensor, unscale: bool) -> Tensor:
         """K1 over each gradient where it lives, in memory order: a sum of squares and a non-finite test do
         not depend on the order of the dimensions."""
-        _N.check_grads(grads, inv_scale, self.name)
+        _A.check_grads(grads, inv_scale, self.name)
         work = _grads_for_kernel(list(grads))
         numels = [g.numel() for g in work]
         p = self.num_partials(numels)
@@ -81,13 +82,13 @@ class CpuBackend(Backend):
                       backoff_factor: float, growth_interval: int, inv_scale: Optional[Tensor] = None,
                       skipped: Optional[Tensor] = None) -> None:
         dev = scale.device
-        _N.check_scalar("scale", scale, (torch.float32,), dev, self.name)
-        _N.check_scalar("growth_tracker", growth_tracker, (torch.int32,), dev, self.name)
-        _N.check_scalar("found_inf", found_inf, (torch.float32,), dev, self.name)
+        _A.check_scalar("scale", scale, (torch.float32,), dev, self.name)
+        _A.check_scalar("growth_tracker", growth_tracker, (torch.int32,), dev, self.name)
+        _A.check_scalar("found_inf", found_inf, (torch.float32,), dev, self.name)
         if inv_scale is not None:
-            _N.check_scalar("inv_scale", inv_scale, (torch.float32,), dev, self.name)
+            _A.check_scalar("inv_scale", inv_scale, (torch.float32,), dev, self.name)
         if skipped is not None:
-            _N.check_scalar("skipped", skipped, (torch.int64,), dev, self.name)
+            _A.check_scalar("skipped", skipped, (torch.int64,), dev, self.name)
         self._mod().update_scale(scale.data_ptr(), growth_tracker.data_ptr(), found_inf.data_ptr(),
                                  float(growth_factor), float(backoff_factor), int(growth_interval),
                                  _N.ptr(inv_scale), _N.ptr(skipped), *self._scalar_device_args(dev))
@@ -101,11 +102,11 @@ class CpuBackend(Backend):
         """Leading kernel arguments shared by every step, and the tensors that must outlive the call."""
         params = list(params)
         grads = list(grads)
-        rows, total = _N.step_table(params, grads, _N.layout_align(next((s for _, s in states if s is not None), None)))
-        _N.check_state_sizes(self.name, [("master", master)] + list(states), total, steps.device)
-        partials = _N.partials_arg(partials)
+        rows, total = _A.step_table(params, grads, _A.layout_align(next((s for _, s in states if s is not None), None)))
+        _A.check_state_sizes(self.name, [("master", master)] + list(states), total, steps.device)
+        partials = _A.partials_arg(partials)
         head = [rows, len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0,
-                _N.grad_code(grads), _N.ptr(master)]
+                _A.grad_code(grads), _N.ptr(master)]
         tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], partials.data_ptr(), partials.shape[1],
                 inv_scale.data_ptr(), lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr()]
         return head, tail, partials
@@ -116,9 +117,9 @@ class CpuBackend(Backend):
                    maximize: bool = False, seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None,
                    **options) -> None:
         """Adam/AdamW; math and tensors in :func:`ampfused.ops.reference.adam_step_` (compact state included)."""
-        compact = _N.check_step(self.name, params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
+        compact = _A.check_step(self.name, params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
                                 steps, partials, inv_scale, lr, out_stats, seed, state_scales)
-        compact = tuple(compact) + _N.q8_args(state_scales)
+        compact = tuple(compact) + _A.q8_args(state_scales)
         head, tail, keep = self._step_head(params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
                                            steps, partials, inv_scale, lr, out_stats)
         self._launch_adam(head + [exp_avg.data_ptr(), exp_avg_sq.data_ptr()] + tail
@@ -139,9 +140,9 @@ class CpuBackend(Backend):
             raise ValueError("momentum_buf is required when momentum != 0")
         buf = momentum_buf if momentum != 0 else None
         states = [("momentum_buf", buf)] if buf is not None else []
-        compact = _N.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
+        compact = _A.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
                                 seed, state_scales)
-        compact = tuple(compact) + _N.q8_args(state_scales)
+        compact = tuple(compact) + _A.q8_args(state_scales)
         head, tail, keep = self._step_head(params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
         self._launch_sgd(head + [_N.ptr(buf)] + tail
                          + [float(momentum), float(dampening), float(weight_decay), bool(nesterov),
@@ -177,7 +178,7 @@ class CpuBackend(Backend):
         return partials
 
     def _table_head(self, table: tuple, dtype, master, steps, partials, inv_scale, lr, out_stats):
-        partials = _N.partials_arg(partials)
+        partials = _A.partials_arg(partials)
         head = [table[0], table[1], _N.DTYPE_CODES[dtype], _N.DTYPE_CODES[dtype], _N.ptr(master)]
         tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], partials.data_ptr(), partials.shape[1],
                 inv_scale.data_ptr(), lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr()]
@@ -189,7 +190,7 @@ class CpuBackend(Backend):
         head, tail = self._table_head(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
         self._mod().adam_step(*head, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), *tail, beta1, beta2, eps,
                               weight_decay, max_norm, decoupled, maximize, torch.get_num_threads(),
-                              *_N.compact_args(dtype, master, exp_avg, seed), *_N.q8_args(state_scales))
+                              *_N.compact_args(dtype, master, exp_avg, seed), *_A.q8_args(state_scales))
 
     def sgd_step_table(self, table: tuple, dtype, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
                        momentum, dampening, weight_decay, nesterov, max_norm, maximize, seed=None,
@@ -198,7 +199,7 @@ class CpuBackend(Backend):
         buf = momentum_buf if momentum != 0 else None
         self._mod().sgd_step(*head, _N.ptr(buf), *tail, momentum, dampening, weight_decay, nesterov, max_norm,
                              maximize, torch.get_num_threads(), *_N.compact_args(dtype, master, buf, seed),
-                             *_N.q8_args(state_scales))
+                             *_A.q8_args(state_scales))
 
     # ---- Lion -------------------------------------------------------------------------------------------
     def lion_step_(self, params, grads, master: Optional[Tensor], exp_avg: Tensor, steps: Tensor, partials: Tensor,
@@ -207,9 +208,9 @@ class CpuBackend(Backend):
                    state_scales: Optional[Tensor] = None, **options) -> None:
         """Lion; math and tensors in :func:`ampfused.ops.reference.lion_step_`."""
         states = [("exp_avg", exp_avg)]
-        compact = _N.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
+        compact = _A.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
                                 seed, state_scales)
-        compact = tuple(compact) + _N.q8_args(state_scales)
+        compact = tuple(compact) + _A.q8_args(state_scales)
         head, tail, keep = self._step_head(params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
         self._launch_lion(head + [exp_avg.data_ptr()] + tail
                           + [float(beta1), float(beta2), float(weight_decay), float(max_norm), bool(maximize)],
@@ -225,7 +226,7 @@ class CpuBackend(Backend):
         head, tail = self._table_head(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
         self._mod().lion_step(*head, exp_avg.data_ptr(), *tail, beta1, beta2, weight_decay, max_norm, maximize,
                               torch.get_num_threads(), *_N.compact_args(dtype, master, exp_avg, seed),
-                              *_N.q8_args(state_scales))
+                              *_A.q8_args(state_scales))
 
     # Adafactor: its own table (the factored state is not laid out like the parameters)
     from .native_adafactor import adafactor_step_

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from .. import _native
 from . import _work, checks
+from . import native_args as _A
 from .cpu import CpuBackend
 from .state_precision import QBLOCK as _QBLOCK
 
@@ -86,7 +87,7 @@ def _counter(step: Tensor) -> int:
 
 def work_lists(rows, chunk: int, tile: int, max_partials: int, shift: int,
                device: torch.device = torch.device("cpu")) -> Tuple[Tensor, int, int]:
-    """The tensor table (a flat list of ints or an int64 ``[T, 4]`` array, see ``_native.step_table``) followed
+    """The tensor table (a flat list of ints or an int64 ``[T, 4]`` array, see ``_A.step_table``) followed
     by its chunk list and its K1 column list, as one host int64 tensor (page-locked when ``device`` is a CUDA
     device, for an upload without a host wait); with the number of chunks and of columns. Built by one C++ pass
     (``ampfused/ops/_work.py``)."""
@@ -260,25 +261,25 @@ class CudaBackend(CpuBackend):
         if len(grads) != len(params) or steps.dim() != 1 or steps.numel() != len(params) or not steps.is_contiguous():
             raise ValueError(f"params, grads and steps must have one entry per parameter, got {len(params)} params, "
                              f"{len(grads)} grads and steps of shape {tuple(steps.shape)}")
-        compact = _N.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
+        compact = _A.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
                                 seed, state_scales)
         dev = steps.device
         # (8-bit moments: parameters start at multiples of a block of codes, each block with a column of scales)
-        rows, total = _N.step_table(params, grads, _N.layout_align(next((s for _, s in states if s is not None), None)))
-        _N.check_state_sizes(self.name, [("master", master)] + list(states), total, dev)
+        rows, total = _A.step_table(params, grads, _A.layout_align(next((s for _, s in states if s is not None), None)))
+        _A.check_state_sizes(self.name, [("master", master)] + list(states), total, dev)
         if state_scales is not None and state_scales.shape[-1] != -(-total // _QBLOCK):
             raise ValueError(f"state_scales must have {-(-total // _QBLOCK)} columns (one per block of {_QBLOCK} "
                              f"elements of the flat buffers) for the {self.name} backend, got shape "
                              f"{list(state_scales.shape)}")
-        _N.check_device("partials", partials, dev)
+        _A.check_device("partials", partials, dev)
         if partials.dtype != torch.float32 or partials.dim() != 2 or partials.shape[0] != 2:
             raise ValueError(f"partials must be a float32 [2, P] tensor, got {partials.dtype} {tuple(partials.shape)}")
-        _N.check_device("out_stats", out_stats, dev)
+        _A.check_device("out_stats", out_stats, dev)
         if out_stats.dtype != torch.float32 or out_stats.numel() != 2 or not out_stats.is_contiguous():
             raise ValueError(f"out_stats must be a contiguous float32 tensor of 2 elements, got {out_stats.dtype} "
                              f"{tuple(out_stats.shape)}")
         pcode = _N.DTYPE_CODES[params[0].dtype] if params else 0
-        gcode = _N.grad_code(grads)
+        gcode = _A.grad_code(grads)
 
         def check():
             checks.step_inputs(params, grads, master, states, steps, partials, inv_scale, lr, out_stats, seed,
@@ -289,12 +290,12 @@ class CudaBackend(CpuBackend):
             raise ValueError(f"partials must be a contiguous [2, {work.num_columns}] tensor with single_launch=True "
                              "(the kernel writes the partials of the step's gradients into it, as norm_check "
                              f"would), got shape {tuple(partials.shape)}, stride {partials.stride()}")
-        part = _N.partials_arg(partials)
+        part = _A.partials_arg(partials)
         head = [work.table, len(params), pcode, gcode, _N.ptr(master)]
         tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], part.data_ptr(), part.shape[1], inv_scale.data_ptr(),
                 lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr()]
         launch = [*self._device_args(dev), work.chunks, work.num_chunks, work.columns, work.num_columns,
-                  _counter(steps), bool(single_launch), *compact, *_N.q8_args(state_scales)]
+                  _counter(steps), bool(single_launch), *compact, *_A.q8_args(state_scales)]
         return head, tail, launch, part
 
     # ---- the fused optimizers' own tables (see cpu.py): the same kernels and cached device work -------
@@ -319,7 +320,7 @@ class CudaBackend(CpuBackend):
         the tensors: the device work is the cached one while the table's rows stay the same."""
         code = _N.DTYPE_CODES[dtype]
         work = self._table_work(table[2], code, steps.device, table[3] if len(table) > 3 else None, table[0])
-        part = _N.partials_arg(partials)
+        part = _A.partials_arg(partials)
         head = [work.table, table[1], code, code, _N.ptr(master)]
         tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], part.data_ptr(), part.shape[1], inv_scale.data_ptr(),
                 lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr()]
@@ -331,7 +332,7 @@ class CudaBackend(CpuBackend):
                         out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize, seed=None,
                         state_scales=None) -> None:
         head, tail, launch, _part = self._table_step(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
-        launch[-5:] = _N.compact_args(dtype, master, exp_avg, seed) + _N.q8_args(state_scales)
+        launch[-5:] = _N.compact_args(dtype, master, exp_avg, seed) + _A.q8_args(state_scales)
         self._mod().adam_step(*head, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), *tail, beta1, beta2, eps, weight_decay,
                               max_norm, decoupled, maximize, *launch)
 
@@ -340,7 +341,7 @@ class CudaBackend(CpuBackend):
                        state_scales=None) -> None:
         head, tail, launch, _part = self._table_step(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
         buf = momentum_buf if momentum != 0 else None
-        launch[-5:] = _N.compact_args(dtype, master, buf, seed) + _N.q8_args(state_scales)
+        launch[-5:] = _N.compact_args(dtype, master, buf, seed) + _A.q8_args(state_scales)
         self._mod().sgd_step(*head, _N.ptr(buf), *tail, momentum, dampening, weight_decay, nesterov, max_norm,
                              maximize, *launch)
 
@@ -372,7 +373,7 @@ class CudaBackend(CpuBackend):
     def lion_step_table(self, table: tuple, dtype, master, exp_avg, steps, partials, inv_scale, lr, out_stats, beta1,
                         beta2, weight_decay, max_norm, maximize, seed=None, state_scales=None) -> None:
         head, tail, launch, _part = self._table_step(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
-        launch[-5:] = _N.compact_args(dtype, master, exp_avg, seed) + _N.q8_args(state_scales)
+        launch[-5:] = _N.compact_args(dtype, master, exp_avg, seed) + _A.q8_args(state_scales)
         self._mod().lion_step(*head, exp_avg.data_ptr(), *tail, beta1, beta2, weight_decay, max_norm, maximize,
                               *launch)
 

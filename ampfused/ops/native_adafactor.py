@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import _native as _N
+from . import native_args as _A
 from .reference import state_layout
 from .reference_adafactor import factor_layout
 
@@ -71,9 +72,9 @@ def tiles(params: List[Tensor], grads: List[Optional[Tensor]], tile_elems: Optio
 def check(backend: str, params, grads, master, factors, steps, partials, inv_scale, lr, out_stats, seed) -> tuple:
     """The native step's rules beyond the op's own (ops.adafactor.check_inputs); returns ``(master format,
     seed address)``."""
-    fmt, _, seed_ptr = _N.check_step(backend, params, grads, master, [], steps, partials, inv_scale, lr, out_stats,
+    fmt, _, seed_ptr = _A.check_step(backend, params, grads, master, [], steps, partials, inv_scale, lr, out_stats,
                                      seed)
-    _N.check_state_sizes(backend, [("factors", factors)], factor_layout([tuple(p.shape) for p in params])[1],
+    _A.check_state_sizes(backend, [("factors", factors)], factor_layout([tuple(p.shape) for p in params])[1],
                          steps.device)
     if factors.dtype != torch.float32:
         raise TypeError(f"factors must be float32 for the {backend} backend, got {factors.dtype}")
@@ -88,9 +89,9 @@ def adafactor_step_(self, params, grads, master: Optional[Tensor], factors: Tens
     from .reference_adafactor import EPS1_DEFAULT
     params, grads = list(params), list(grads)
     fmt, seed_ptr = check(self.name, params, grads, master, factors, steps, partials, inv_scale, lr, out_stats, seed)
-    partials = _N.partials_arg(partials)
+    partials = _A.partials_arg(partials)
     self._mod().adafactor_step(
-        table(params, grads), len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0, _N.grad_code(grads),
+        table(params, grads), len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0, _A.grad_code(grads),
         _N.ptr(master), factors.data_ptr(), steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], partials.data_ptr(),
         partials.shape[1], inv_scale.data_ptr(), lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr(),
         float(beta2_decay), EPS1_DEFAULT if eps1 is None else float(eps1), float(eps2), float(d),
@@ -152,9 +153,9 @@ def adafactor_step_cuda(self, params, grads, master: Optional[Tensor], factors: 
         work.upload(rows, steps.device)
     if _capturing(index):
         _kept_for_graphs.append((work.table, work.scratch))  # the tensors the graph reads, not what holds them
-    partials = _N.partials_arg(partials)
+    partials = _A.partials_arg(partials)
     self._mod().adafactor_step(
-        work.table.data_ptr(), len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0, _N.grad_code(grads),
+        work.table.data_ptr(), len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0, _A.grad_code(grads),
         _N.ptr(master), factors.data_ptr(), steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], partials.data_ptr(),
         partials.shape[1], inv_scale.data_ptr(), lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr(),
         float(beta2_decay), EPS1_DEFAULT if eps1 is None else float(eps1), float(eps2), float(d),

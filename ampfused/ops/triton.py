@@ -32,7 +32,9 @@ from torch import Tensor
 
 from .. import _native
 from . import _work
+from . import native_args as _A
 from .checks import is_dense
+from .reference import STATE_ALIGN
 from .registry import Backend
 
 try:
@@ -158,10 +160,10 @@ class TritonBackend(Backend):
         return c
 
     def _step_plan(self, params: List[Tensor], grads: List[Optional[Tensor]], steps: Tensor, chunk: int,
-                   align: int = _native.STATE_ALIGN):
+                   align: int = STATE_ALIGN):
         """The tensor table and chunk list of a step (state offsets at multiples of ``align``), reused while the
         call site's tensors are unchanged."""
-        return self._plan_of_rows(_native.step_table(params, grads, align)[0], steps, chunk)
+        return self._plan_of_rows(_A.step_table(params, grads, align)[0], steps, chunk)
 
     def _plan_of_rows(self, rows: List[int], steps: Tensor, chunk: int):
         device = steps.device
@@ -183,7 +185,7 @@ class TritonBackend(Backend):
         return _kernels("norm_check").num_partials(list(numels))
 
     def _k1(self, grads: List[Tensor], inv_scale: Tensor, write_back: bool) -> Tensor:
-        _native.check_grads(grads, inv_scale, self.name)
+        _A.check_grads(grads, inv_scale, self.name)
         k1, common = _kernels("norm_check"), _kernels("_common")
         # Dense gradients (row-major, channels_last, transposed) are walked in memory order where they are;
         # any other layout goes through a contiguous copy (copied back when unscaling).
@@ -218,10 +220,10 @@ class TritonBackend(Backend):
                    state_scales=None) -> None:
         """Adam/AdamW over lists of parameters and gradients; see :func:`ampfused.ops.reference.adam_step_`."""
         params, grads = list(params), list(grads)
-        _native.check_step(self.name, params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
+        _A.check_step(self.name, params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
                            steps, partials, inv_scale, lr, out_stats, seed, state_scales)
         k = _kernels("adam")
-        plan = self._step_plan(params, grads, steps, k.CHUNK, _native.layout_align(exp_avg))
+        plan = self._step_plan(params, grads, steps, k.CHUNK, _A.layout_align(exp_avg))
         k.adam_step_(plan, len(params), *self._step_dtypes(params, grads), master, exp_avg, exp_avg_sq, steps,
                      partials, inv_scale, lr, out_stats, self._counter(steps.device), beta1, beta2, eps,
                      weight_decay, max_norm, decoupled, maximize, seed, state_scales)
@@ -289,10 +291,10 @@ class TritonBackend(Backend):
             raise ValueError("momentum_buf is required when momentum != 0")
         buf = momentum_buf if momentum != 0 else None
         states = [("momentum_buf", buf)] if buf is not None else []
-        _native.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
+        _A.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
                            seed, state_scales)
         k = _kernels("sgd")
-        plan = self._step_plan(params, grads, steps, k.CHUNK, _native.layout_align(buf))
+        plan = self._step_plan(params, grads, steps, k.CHUNK, _A.layout_align(buf))
         k.sgd_step_(plan, len(params), *self._step_dtypes(params, grads), master, buf, steps, partials, inv_scale,
                     lr, out_stats, self._counter(steps.device), momentum, dampening, weight_decay, nesterov,
                     max_norm, maximize, seed, state_scales)
@@ -302,10 +304,10 @@ class TritonBackend(Backend):
                    weight_decay, max_norm, maximize=False, seed=None, state_scales=None) -> None:
         """Lion over lists of parameters and gradients; see :func:`ampfused.ops.reference.lion_step_`."""
         params, grads = list(params), list(grads)
-        _native.check_step(self.name, params, grads, master, [("exp_avg", exp_avg)], steps, partials, inv_scale, lr,
+        _A.check_step(self.name, params, grads, master, [("exp_avg", exp_avg)], steps, partials, inv_scale, lr,
                            out_stats, seed, state_scales)
         k = _kernels("lion")
-        plan = self._step_plan(params, grads, steps, k.CHUNK, _native.layout_align(exp_avg))
+        plan = self._step_plan(params, grads, steps, k.CHUNK, _A.layout_align(exp_avg))
         k.lion_step_(plan, len(params), *self._step_dtypes(params, grads), master, exp_avg, steps, partials,
                      inv_scale, lr, out_stats, self._counter(steps.device), beta1, beta2, weight_decay, max_norm,
                      maximize, seed, state_scales)

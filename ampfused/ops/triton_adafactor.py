@@ -2,7 +2,7 @@
 (``native_adafactor.table``) uploaded once per call site and reused while the tensors stay the same, one launch."""
 from __future__ import annotations
 
-from .. import _native
+from . import native_args as _A
 
 
 def adafactor_step_(self, params, grads, master, factors, steps, partials, inv_scale, lr, out_stats, beta2_decay,
@@ -27,7 +27,7 @@ def adafactor_step_(self, params, grads, master, factors, steps, partials, inv_s
     pdtype, gdtype = self._step_dtypes(params, grads)
     fmt = _kernels("_compact").launch_format(pdtype, master, None, seed)
     _kernels("adafactor").adafactor_step_(
-        table, len(params), pdtype, gdtype, fmt, master, factors, steps, _native.partials_arg(partials), inv_scale,
+        table, len(params), pdtype, gdtype, fmt, master, factors, steps, _A.partials_arg(partials), inv_scale,
         lr, out_stats, beta2_decay, EPS1_DEFAULT if eps1 is None else eps1, eps2, d, weight_decay, max_norm,
         maximize, seed)
 
