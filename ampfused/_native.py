@@ -2,7 +2,7 @@
 for the optimizers' host pass) and the codes their arguments take.
 
 The kernel modules are torch-free: they take addresses, sizes and dtype codes. The checks that keep a kernel from
-reading or writing the wrong memory run before any of them, on the backends' side (:mod:`ampfused.ops.native_args`).
+reading or writing the wrong memory run before any of them, on the backends' side (``ops.native_args``).
 ``ampfused._host`` is built against torch and loads only with the torch it was built for.
 A module that is missing, or was built from other sources than this checkout's ``csrc/``, is reported
 with what it was built for and how to rebuild; it never breaks ``import ampfused``.

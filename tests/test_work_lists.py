@@ -5,8 +5,7 @@ import numpy
 import pytest
 import torch
 
-from ampfused import _native
-from ampfused.ops import _work
+from ampfused import _native, _work
 
 needs_host = pytest.mark.skipif(_native.unavailable_reason("host") is not None,
                                 reason=f"ampfused._host: {_native.unavailable_reason('host')}")

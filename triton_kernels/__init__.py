@@ -5,6 +5,6 @@ One op per module, the ``@triton.jit`` kernels (prefixed ``_``) followed by thei
 ``norm_check`` (K1 and the in-place ``unscale_``), ``adam``, ``sgd`` and ``lion`` (K2), ``update_scale``; ``_common``
 holds the shared prologue, step advance, conversions, the tensor tables and chunk lists the kernels walk, and
 launch geometry; ``_compact`` the compact-state codecs (master remainders, stochastic rounding, bf16 moments)
-and ``_q8`` those of 8-bit moments, both specified in ``ampfused.ops.state_precision``. ``ampfused.ops.triton``
+and ``_q8`` those of 8-bit moments, both specified in ``ops.state_precision``. ``ops.triton``
 calls the launchers; modules are imported on first use, and importing them touches no GPU.
 """

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ampfused.ops import _work, reference
+from ampfused import _work
+from ampfused._floats import fp32
 
 # The step's tensor table (csrc/include/ampfused/step_args.h): one row per parameter of {param address,
 # grad address, numel (NO_GRAD when the parameter has no gradient this step), offset in the flat state
@@ -248,7 +249,7 @@ def f32(x: float) -> float:
     """``x`` rounded to fp32, as a Python float: what a kernel's fp32 scalar argument holds on a GPU. Every
     float hyperparameter is passed so, so that Triton's interpreter, which keeps a scalar argument's Python value,
     computes with the same value (1.0 - 0.9 and 1.0 - fp32(0.9) differ)."""
-    return reference.fp32(x)
+    return fp32(x)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -276,7 +277,7 @@ def make_plan(rows, cols: int, numel_col: int, addr_cols: Sequence[int], chunk: 
     numel <= 0 own none) together.
 
     The chunk list is written by one C++ pass into page-locked staging memory, and on CUDA the upload is an
-    asynchronous copy from it on the current stream: no host wait (``ampfused/ops/_work.py``). ``aligned`` looks
+    asynchronous copy from it on the current stream: no host wait (``ampfused/_work.py``). ``aligned`` looks
     at the ``addr_cols`` of the rows that own chunks (numel > 0).
     """
     table = _work.as_table(rows, cols)

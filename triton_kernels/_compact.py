@@ -1,4 +1,4 @@
-"""Compact optimizer state in the Triton kernels: the codecs of ``ampfused.ops.state_precision`` (the
+"""Compact optimizer state in the Triton kernels: the codecs of ``ops.state_precision`` (the
 specification), the same expressions on uint32.
 
 ``MASTER_FORMAT`` (a constexpr of the step kernels): 0 an fp32 master (or fp32 parameters that are their own

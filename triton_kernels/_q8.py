@@ -1,4 +1,4 @@
-"""8-bit moments in the Triton step kernels: the codec of ``ampfused.ops.state_precision`` (``q8_*``, the
+"""8-bit moments in the Triton step kernels: the codec of ``ops.state_precision`` (``q8_*``, the
 specification; ``csrc/include/ampfused/math.h`` holds the same expressions in C++) on int32 / uint32 blocks.
 
 A moment of this format is a uint8 buffer of codes beside ``state_scales`` (fp32, ``[moments, blocks]``), one

@@ -1,4 +1,4 @@
-"""K2 for Adafactor (``ampfused.ops.reference_adafactor.adafactor_step_``): one launch, one program per parameter.
+"""K2 for Adafactor (``ops.reference_adafactor.adafactor_step_``): one launch, one program per parameter.
 
 A program owns its parameter: it reduces the partials (the skip: nothing is written when found_inf), then walks
 the parameter in 2-D tiles of logical rows and columns (the leading dimensions a batch of matrices; any memory
@@ -15,7 +15,7 @@ run to run. With the scaler the step is K1, this launch and the scale update: th
 Parallelism is one program per parameter: enough for models of many tensors; a single large matrix runs on one
 program (docs/adafactor.md gives the split across programs that a GPU wants for those).
 
-Table (``ampfused/ops/native_adafactor.py``): one row of ``AF_COLS`` int64 per parameter: param and grad
+Table (``ops/native_adafactor.py``): one row of ``AF_COLS`` int64 per parameter: param and grad
 addresses, numel (-1 without a gradient), offset in ``master``, offset in ``factors``, ndim, 8 sizes, 8 strides.
 """
 import math
@@ -269,7 +269,7 @@ def _bits(x: float) -> int:
 def adafactor_step_(table, count, param_dtype, grad_dtype, fmt, master, factors, steps, partials, inv_scale, lr,
                     out_stats, beta2_decay, eps1, eps2, d, weight_decay, max_norm, maximize, seed) -> None:
     """One launch over ``count`` parameters (``table``: their rows, int64 in the kernel's memory); tensors and math
-    as :func:`ampfused.ops.reference_adafactor.adafactor_step_`; ``fmt`` the step's ``_compact.LaunchFormat``."""
+    as ``ops.reference_adafactor.adafactor_step_``; ``fmt`` the step's ``_compact.LaunchFormat``."""
     if count == 0:
         return
     with device_guard(out_stats):

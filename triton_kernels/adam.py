@@ -132,7 +132,7 @@ def adam_step_(plan, count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq
                out_stats, counter, beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float,
                decoupled: bool, maximize: bool = False, seed=None, state_scales=None) -> None:
     """One Adam (L2 decay) / AdamW (decoupled decay) step over the parameters of ``plan``; math as
-    ``ampfused.ops.reference.adam_step_``.
+    ``ops.reference.adam_step_``.
 
     With ``c = inv_scale * min(1, max_norm / (norm + 1e-6))`` from the partials, and for each parameter ``i``
     with a gradient ``w`` its master slice (or the parameter itself), ``m``, ``v`` its state slices and

@@ -86,7 +86,7 @@ def _lion_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, m_ptr, steps_
 def lion_step_(plan, count, param_dtype, grad_dtype, master, exp_avg, steps, partials, inv_scale, lr, out_stats,
                counter, beta1: float, beta2: float, weight_decay: float, max_norm: float, maximize: bool = False,
                seed=None, state_scales=None) -> None:
-    """One Lion step over the parameters of ``plan``; math as ``ampfused.ops.reference.lion_step_``.
+    """One Lion step over the parameters of ``plan``; math as ``ops.reference.lion_step_``.
 
     With ``c = inv_scale * min(1, max_norm / (norm + 1e-6))`` and, for each parameter ``i`` with a gradient,
     ``w`` its master slice (or the parameter itself) and ``m`` its ``exp_avg`` slice, in fp32::

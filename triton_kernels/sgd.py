@@ -100,7 +100,7 @@ def sgd_step_(plan, count, param_dtype, grad_dtype, master, momentum_buf, steps,
               counter, momentum: float, dampening: float, weight_decay: float, nesterov: bool, max_norm: float,
               maximize: bool = False, seed=None, state_scales=None) -> None:
     """One SGD step with torch's semantics over the parameters of ``plan``; math as
-    ``ampfused.ops.reference.sgd_step_``.
+    ``ops.reference.sgd_step_``.
 
     With ``c = inv_scale * min(1, max_norm / (norm + 1e-6))`` and, for each parameter ``i`` with a gradient,
     ``w`` its master slice (or the parameter itself) and ``b`` its momentum slice, in fp32::

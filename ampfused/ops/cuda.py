@@ -17,7 +17,7 @@ stamps has its bytes compared): a step whose table is the same list of ints as t
 copy, so a warm step uploads and allocates nothing; a table whose sizes did not change (new gradient tensors, the
 default loop) is uploaded alone, beside the work lists already on the device; any other changed table and its
 work lists are written by one C++ pass into page-locked staging memory and uploaded by an asynchronous copy ordered on
-``torch.cuda.current_stream()``, so the host never waits for the device (``ampfused/ops/_work.py``); a changed
+``torch.cuda.current_stream()``, so the host never waits for the device (``ampfused/_work.py``); a changed
 table while a CUDA graph is being captured is an error (a captured
 step must see the tensors of its warm-up). The kernel is a persistent grid (at most the blocks resident on the
 device) whose blocks each reduce all partials in the same order, return at once on found_inf, then walk the
@@ -43,8 +43,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import _native
-from . import _work, checks
+from .. import _native, _work
+from . import checks
 from . import native_args as _A
 from .cpu import CpuBackend
 from .state_precision import QBLOCK as _QBLOCK
@@ -90,7 +90,7 @@ def work_lists(rows, chunk: int, tile: int, max_partials: int, shift: int,
     """The tensor table (a flat list of ints or an int64 ``[T, 4]`` array, see ``_A.step_table``) followed
     by its chunk list and its K1 column list, as one host int64 tensor (page-locked when ``device`` is a CUDA
     device, for an upload without a host wait); with the number of chunks and of columns. Built by one C++ pass
-    (``ampfused/ops/_work.py``)."""
+    (``ampfused/_work.py``)."""
     host, n_table, num_chunks, num_columns = _work.cuda_work(rows, chunk, tile, max_partials, shift, device)
     return host[:n_table + num_chunks + num_columns], num_chunks, num_columns
 

@@ -116,7 +116,7 @@ class _CudaWork:
         self.rows: Optional[List[int]] = None
 
     def upload(self, rows: List[int], device: torch.device) -> None:
-        from . import _work
+        from .. import _work
         host, view = _work.staging(len(rows) + len(self.info), device)
         view[:len(rows)] = rows
         view[len(rows):len(rows) + len(self.info)] = self.info

@@ -30,12 +30,12 @@ Conventions shared by every backend
 from __future__ import annotations
 
 import math
-import struct
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from .._floats import fp32
 from . import state_precision as sp
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds this to the norm
@@ -165,14 +165,6 @@ def expm1_nonpositive(x: Tensor) -> Tensor:
     two_k = ((k.to(torch.int32) + 127) << 23).view(torch.float32)  # 2^k, exact
     big = (1.0 + r * expm1_series(r)) * two_k - 1.0
     return torch.where(x >= -0.5, small, torch.where(x >= -24.0, big, torch.full_like(x, -1.0)))
-
-
-def fp32(x: float) -> float:
-    """``x`` rounded to fp32 (to nearest even; inf beyond its range), as a Python float, without a tensor."""
-    try:
-        return struct.unpack("f", struct.pack("f", x))[0]
-    except OverflowError:  # (the cast gave inf)
-        return math.copysign(math.inf, x)
 
 
 def log_beta(beta: float) -> float:

@@ -30,8 +30,7 @@ import numpy
 import torch
 from torch import Tensor
 
-from .. import _native
-from . import _work
+from .. import _native, _work
 from . import native_args as _A
 from .checks import is_dense
 from .reference import STATE_ALIGN
@@ -114,7 +113,7 @@ class TableCache:
 
 def _retable(plan, rows: numpy.ndarray, numel_col: int, addr_cols: tuple, device: torch.device):
     """``plan`` with ``rows`` as its table: rows of the sizes the plan was made from (so its chunk list holds),
-    at new addresses. Only the table is staged and uploaded (``ampfused/ops/_work.py``: no host wait)."""
+    at new addresses. Only the table is staged and uploaded (``ampfused/_work.py``: no host wait)."""
     common = _kernels("_common")
     addresses = rows[:, list(addr_cols)]
     # every address aligned (one reduction, the usual case) settles it; else only the rows that own chunks count

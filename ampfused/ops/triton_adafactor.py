@@ -9,7 +9,8 @@ def adafactor_step_(self, params, grads, master, factors, steps, partials, inv_s
                      eps1, eps2, d, weight_decay, max_norm, maximize=False, seed=None) -> None:
     """Adafactor: one launch, one program per parameter (``triton_kernels/adafactor.py``); math in
     :func:`ampfused.ops.reference_adafactor.adafactor_step_`."""
-    from . import _work, native_adafactor
+    from .. import _work
+    from . import native_adafactor
     from .triton import _capturing, _kernels
     from .reference_adafactor import EPS1_DEFAULT
     params, grads = list(params), list(grads)

@@ -33,7 +33,7 @@ from typing import Any, Optional, Tuple
 import numpy
 import torch
 
-from .. import _native
+from . import _native
 
 _HOST: Any = False
 TABLE_COLS = 4  # columns of a step's tensor table (step_args.h: kTableCols)
