@@ -14,7 +14,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .reference import STATE_ALIGN, _Compact, _commit, _prologue, fp32, memory_view, sqrt_rn, state_layout
+from .._floats import fp32
+from .reference_common import STATE_ALIGN, _Compact, _commit, _prologue, memory_view, sqrt_rn, state_layout
 
 EPS1_DEFAULT = float(torch.finfo(torch.float32).eps)  # eps=(None, ...): the eps of the dtype the math runs in
 
