@@ -376,6 +376,7 @@ def test_cuda_backend_passes_its_module_the_table_tiles_and_scratch(monkeypatch)
     arguments as the built module declares, and uploads the table rows followed by the tile layout, with scratch
     for the column partials and three sums per tile; the upload is reused while the table holds."""
     from ampfused import _native
+    from ampfused.ops import cuda as C
     from ampfused.ops import native_adafactor as na
     from test_host_pass import _recording_cuda_backend
     if _native.unavailable_reason("cuda"):
@@ -383,7 +384,7 @@ def test_cuda_backend_passes_its_module_the_table_tiles_and_scratch(monkeypatch)
     declared = _native.module("cuda").adafactor_step.__doc__.split("->")[0].count("arg")
     calls = []
     backend, _ = _recording_cuda_backend(monkeypatch, calls)
-    na._device_tables.clear()
+    C._adafactor_tables.clear()
     params = [torch.zeros(40, 30), torch.zeros(17)]
     grads = [torch.randn(40, 30), torch.randn(17)]
     factors = torch.zeros(factor_layout([p.shape for p in params])[1])
@@ -396,7 +397,7 @@ def test_cuda_backend_passes_its_module_the_table_tiles_and_scratch(monkeypatch)
     assert [name for name, _ in calls] == ["adafactor_step"] * 2 and calls[0][1] == calls[1][1]
     args = calls[0][1]
     assert len(args) == declared
-    (work,) = na._device_tables.values()
+    (work,) = C._adafactor_tables.values()
     info, num_tiles, num_items, num_colparts = na.tiles(params, grads, 256)
     rows = na.table(params, grads)
     assert work.table.tolist() == rows + info and args[0] == work.table.data_ptr()
@@ -406,11 +407,11 @@ def test_cuda_backend_passes_its_module_the_table_tiles_and_scratch(monkeypatch)
     scratch = work.scratch
     backend.adafactor_step_(params, [g.clone() for g in grads], None, factors, steps, partials, one, lr, stats,
                             -0.8, None, 1e-3, 1.0, 0.0, math.inf)  # fresh gradient tensors: a new table, same layout
-    (again,) = na._device_tables.values()
+    (again,) = C._adafactor_tables.values()
     assert again is work and work.scratch is scratch and calls[-1][1][0] == work.table.data_ptr()
     assert work.table.tolist()[:len(rows)] != rows
     backend.adafactor_step_(params, [grads[0], None], None, factors, steps, partials, one, lr, stats, -0.8, None,
                             1e-3, 1.0, 0.0, math.inf)  # a parameter without a gradient: another layout
-    (other,) = na._device_tables.values()
+    (other,) = C._adafactor_tables.values()
     assert other is not work and other.num_tiles == 5
-    na._device_tables.clear()
+    C._adafactor_tables.clear()

@@ -20,7 +20,9 @@ from torch import Tensor
 
 from .. import _native
 from . import checks
+from . import native_adafactor as _AF
 from . import native_args as _A
+from .reference_adafactor import EPS1_DEFAULT
 from .registry import Backend
 
 _N = _native
@@ -228,8 +230,28 @@ class CpuBackend(Backend):
                               torch.get_num_threads(), *_N.compact_args(dtype, master, exp_avg, seed),
                               *_A.q8_args(state_scales))
 
-    # Adafactor: its own table (the factored state is not laid out like the parameters)
-    from .native_adafactor import adafactor_step_
+    # ---- Adafactor: a table of its own (the factored state is not laid out like the parameters) ------------
+    def adafactor_step_(self, params, grads, master: Optional[Tensor], factors: Tensor, steps: Tensor,
+                        partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta2_decay: float,
+                        eps1: Optional[float], eps2: float, d: float, weight_decay: float, max_norm: float,
+                        maximize: bool = False, seed: Optional[Tensor] = None) -> None:
+        """Adafactor; math and tensors in :func:`ampfused.ops.reference_adafactor.adafactor_step_`."""
+        params, grads = list(params), list(grads)
+        fmt, seed_ptr = _AF.check(self.name, params, grads, master, factors, steps, partials, inv_scale, lr,
+                                  out_stats, seed)
+        table, extra = self._adafactor_table(params, grads, steps)
+        partials = _A.partials_arg(partials)
+        self._mod().adafactor_step(
+            table, len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0, _A.grad_code(grads),
+            _N.ptr(master), factors.data_ptr(), steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], partials.data_ptr(),
+            partials.shape[1], inv_scale.data_ptr(), lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr(),
+            float(beta2_decay), EPS1_DEFAULT if eps1 is None else float(eps1), float(eps2), float(d),
+            float(weight_decay), float(max_norm), bool(maximize), *self._device_args(steps.device), fmt, seed_ptr,
+            *extra)
+
+    def _adafactor_table(self, params, grads, steps: Tensor) -> tuple:
+        """The table argument of the Adafactor step and the arguments after its own: here its rows."""
+        return _AF.table(params, grads), ()
 
 
 BACKEND = CpuBackend()

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from .. import _native, _work
 from . import checks
+from . import native_adafactor as _AF
 from . import native_args as _A
 from .cpu import CpuBackend
 from .state_precision import QBLOCK as _QBLOCK
@@ -57,7 +58,8 @@ _prepared: set = set()
 
 _WORKS_LIMIT = 4096
 _works: Dict[Tuple[int, int], "_Work"] = {}  # (device index, address of a step tensor) -> its cached work
-_kept_for_graphs: List[Tensor] = []  # device work lists that a captured CUDA graph may still read
+_kept_for_graphs: List[Tensor] = []  # device work lists and tables that a captured CUDA graph may still read
+_adafactor_tables: Dict[Tuple[int, int], "_AdafactorWork"] = {}  # keyed as _works: Adafactor steps' tables
 stats = {"uploads": 0}  # tensor tables uploaded to a device so far (a warm step uploads none)
 
 
@@ -122,6 +124,31 @@ class _Work:
 def _retire(work: "_Work") -> None:
     if work.captured:
         _kept_for_graphs.extend((work.dev, work.lists))
+
+
+class _AdafactorWork:
+    """What the Adafactor step reads besides the tensors: the table and its tile layout on the device (one upload,
+    again whenever the table's ints change: fresh gradient tensors), and the fp64 scratch of the partial sums
+    (column sums per band, and per tile the sums of w*w, of the new row factors and of u*u), kept while the shapes
+    and the parameters that have a gradient stay the same."""
+
+    def __init__(self, layout: tuple, params, grads, device: torch.device):
+        self.layout, self.tile_elems = layout, _AF.AF_TILE_ELEMS
+        self.info, self.num_tiles, self.num_items, self.num_colparts = _AF.tiles(params, grads, self.tile_elems)
+        self.scratch = torch.empty(max(1, self.num_colparts + 3 * self.num_tiles), dtype=torch.float64,
+                                   device=device)
+        self.rows: Optional[List[int]] = None
+
+    def upload(self, rows: List[int], device: torch.device) -> None:
+        host, view = _work.staging(len(rows) + len(self.info), device)
+        view[:len(rows)] = rows
+        view[len(rows):len(rows) + len(self.info)] = self.info
+        self.table = _work.upload(host, device)  # host goes back to torch's page-locked cache once copied
+        self.rows = rows
+
+
+def _adafactor_layout(params, grads) -> tuple:
+    return tuple((tuple(p.shape), g is None) for p, g in zip(params, grads))
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds of torch
@@ -386,8 +413,27 @@ class CudaBackend(CpuBackend):
         self._mod().lion_step(*head, exp_avg.data_ptr(), *tail, float(beta1), float(beta2), float(weight_decay),
                               float(max_norm), bool(maximize), *launch)
 
-    # Adafactor: its table in device memory (ampfused/ops/native_adafactor.py)
-    from .native_adafactor import adafactor_step_cuda as adafactor_step_
+    # ---- Adafactor ---------------------------------------------------------------------------------------
+    def _adafactor_table(self, params, grads, steps: Tensor) -> tuple:
+        """The Adafactor table and its tiles uploaded to the device once per call site (its step tensor),
+        asynchronously from page-locked memory, and reused while the table holds the same ints; the step is one
+        cooperative launch over every tile (csrc/cuda/adafactor.cu)."""
+        rows = _AF.table(params, grads)
+        index = _device_index(steps.device)
+        key = (index, steps.data_ptr())
+        work = _adafactor_tables.get(key)
+        if work is None or work.rows != rows or work.tile_elems != _AF.AF_TILE_ELEMS:
+            if _capturing(index):
+                raise RuntimeError("the cuda backend cannot upload a new Adafactor table while a CUDA graph is being "
+                                   "captured: run one step eagerly with exactly these tensors before capturing it")
+            layout = _adafactor_layout(params, grads)
+            if work is None or work.layout != layout or work.tile_elems != _AF.AF_TILE_ELEMS:
+                work = _adafactor_tables[key] = _AdafactorWork(layout, params, grads, steps.device)
+            work.upload(rows, steps.device)
+        if _capturing(index):
+            _kept_for_graphs.extend((work.table, work.scratch))  # the tensors the graph reads, not what holds them
+        return work.table.data_ptr(), (work.num_tiles, work.num_items, work.num_colparts, work.scratch.data_ptr(),
+                                       _AF.AF_COL_CHUNK)
 
 
 BACKEND = CudaBackend()

@@ -1,7 +1,8 @@
-"""``adafactor_step_`` on the native backends (``csrc/cpu/adafactor.h``; CUDA: ``csrc/cuda/adafactor.cu``): the
-checks the native code relies on and its table, one row of ``AF_COLS`` ints per parameter: param and grad
-addresses, numel (``NO_GRAD`` without a gradient), the offset of its weights in ``master`` and of its state in
-``factors``, its number of dimensions, then ``AF_MAX_DIMS`` sizes and ``AF_MAX_DIMS`` strides (elements)."""
+"""The tables of the native and Triton Adafactor steps (``csrc/cpu/adafactor.h``; CUDA: ``csrc/cuda/adafactor.cu``;
+``triton_kernels/adafactor.py``), and the rules the native code relies on. A table is one row of ``AF_COLS`` ints
+per parameter: param and grad addresses, numel (``NO_GRAD`` without a gradient), the offset of its weights in
+``master`` and of its state in ``factors``, its number of dimensions, then ``AF_MAX_DIMS`` sizes and
+``AF_MAX_DIMS`` strides (elements). The cuda backend also reads a tile layout of the table (:func:`tiles`)."""
 from __future__ import annotations
 
 import math
@@ -79,85 +80,3 @@ def check(backend: str, params, grads, master, factors, steps, partials, inv_sca
     if factors.dtype != torch.float32:
         raise TypeError(f"factors must be float32 for the {backend} backend, got {factors.dtype}")
     return fmt, seed_ptr
-
-
-def adafactor_step_(self, params, grads, master: Optional[Tensor], factors: Tensor, steps: Tensor,
-                    partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta2_decay: float,
-                    eps1: Optional[float], eps2: float, d: float, weight_decay: float, max_norm: float,
-                    maximize: bool = False, seed: Optional[Tensor] = None) -> None:
-    """Adafactor (a backend method); math and tensors in :func:`ampfused.ops.reference_adafactor.adafactor_step_`."""
-    from .reference_adafactor import EPS1_DEFAULT
-    params, grads = list(params), list(grads)
-    fmt, seed_ptr = check(self.name, params, grads, master, factors, steps, partials, inv_scale, lr, out_stats, seed)
-    partials = _A.partials_arg(partials)
-    self._mod().adafactor_step(
-        table(params, grads), len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0, _A.grad_code(grads),
-        _N.ptr(master), factors.data_ptr(), steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], partials.data_ptr(),
-        partials.shape[1], inv_scale.data_ptr(), lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr(),
-        float(beta2_decay), EPS1_DEFAULT if eps1 is None else float(eps1), float(eps2), float(d),
-        float(weight_decay), float(max_norm), bool(maximize), *self._device_args(steps.device), fmt, seed_ptr)
-
-
-_device_tables: dict = {}  # (device index, address of a step tensor) -> _CudaWork
-_kept_for_graphs: list = []  # device tables and scratch that a captured CUDA graph may still read
-
-
-class _CudaWork:
-    """What the cuda backend's Adafactor step reads besides the tensors: the table and its tile layout on the
-    device (one upload, again whenever the table's ints change: fresh gradient tensors), and the fp64 scratch of
-    the partial sums (column sums per band, and per tile the sums of w*w, of the new row factors and of u*u), kept
-    while the shapes and the parameters that have a gradient stay the same."""
-
-    def __init__(self, layout: tuple, params, grads, device: torch.device):
-        self.layout, self.tile_elems = layout, AF_TILE_ELEMS
-        self.info, self.num_tiles, self.num_items, self.num_colparts = tiles(params, grads, self.tile_elems)
-        self.scratch = torch.empty(max(1, self.num_colparts + 3 * self.num_tiles), dtype=torch.float64,
-                                   device=device)
-        self.rows: Optional[List[int]] = None
-
-    def upload(self, rows: List[int], device: torch.device) -> None:
-        from .. import _work
-        host, view = _work.staging(len(rows) + len(self.info), device)
-        view[:len(rows)] = rows
-        view[len(rows):len(rows) + len(self.info)] = self.info
-        self.table = _work.upload(host, device)  # host goes back to torch's page-locked cache once copied
-        self.rows = rows
-
-
-def _layout(params, grads) -> tuple:
-    return tuple((tuple(p.shape), g is None) for p, g in zip(params, grads))
-
-
-def adafactor_step_cuda(self, params, grads, master: Optional[Tensor], factors: Tensor, steps: Tensor,
-                        partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta2_decay: float,
-                        eps1: Optional[float], eps2: float, d: float, weight_decay: float, max_norm: float,
-                        maximize: bool = False, seed: Optional[Tensor] = None) -> None:
-    """Adafactor on the cuda backend (a method of ``CudaBackend``): the table and its tiles uploaded to the device
-    once per call site (its step tensor), asynchronously from page-locked memory, and reused while the table holds
-    the same ints; one cooperative launch over every tile (csrc/cuda/adafactor.cu)."""
-    from .cuda import _capturing, _device_index
-    from .reference_adafactor import EPS1_DEFAULT
-    params, grads = list(params), list(grads)
-    fmt, seed_ptr = check(self.name, params, grads, master, factors, steps, partials, inv_scale, lr, out_stats, seed)
-    rows = table(params, grads)
-    index = _device_index(steps.device)
-    key = (index, steps.data_ptr())
-    work = _device_tables.get(key)
-    if work is None or work.rows != rows or work.tile_elems != AF_TILE_ELEMS:
-        if _capturing(index):
-            raise RuntimeError("the cuda backend cannot upload a new Adafactor table while a CUDA graph is being "
-                               "captured: run one step eagerly with exactly these tensors before capturing it")
-        layout = _layout(params, grads)
-        if work is None or work.layout != layout or work.tile_elems != AF_TILE_ELEMS:
-            work = _device_tables[key] = _CudaWork(layout, params, grads, steps.device)
-        work.upload(rows, steps.device)
-    if _capturing(index):
-        _kept_for_graphs.append((work.table, work.scratch))  # the tensors the graph reads, not what holds them
-    partials = _A.partials_arg(partials)
-    self._mod().adafactor_step(
-        work.table.data_ptr(), len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0, _A.grad_code(grads),
-        _N.ptr(master), factors.data_ptr(), steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], partials.data_ptr(),
-        partials.shape[1], inv_scale.data_ptr(), lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr(),
-        float(beta2_decay), EPS1_DEFAULT if eps1 is None else float(eps1), float(eps2), float(d),
-        float(weight_decay), float(max_norm), bool(maximize), *self._device_args(steps.device), fmt, seed_ptr,
-        work.num_tiles, work.num_items, work.num_colparts, work.scratch.data_ptr(), AF_COL_CHUNK)

@@ -31,9 +31,11 @@ import torch
 from torch import Tensor
 
 from .. import _native, _work
+from . import native_adafactor as _AF
 from . import native_args as _A
 from .checks import is_dense
 from .reference import STATE_ALIGN
+from .reference_adafactor import EPS1_DEFAULT
 from .registry import Backend
 
 try:
@@ -318,8 +320,30 @@ class TritonBackend(Backend):
                      partials, inv_scale, lr, out_stats, self._counter(steps.device), beta1, beta2, weight_decay,
                      max_norm, maximize, seed, state_scales)
 
-    # Adafactor: its own table (the factored state is not laid out like the parameters)
-    from .triton_adafactor import adafactor_step_
+    # ---- Adafactor: a table of its own (the factored state is not laid out like the parameters) ------------
+    def adafactor_step_(self, params, grads, master, factors, steps, partials, inv_scale, lr, out_stats, beta2_decay,
+                        eps1, eps2, d, weight_decay, max_norm, maximize=False, seed=None) -> None:
+        """Adafactor: one launch, one program per parameter (``triton_kernels/adafactor.py``), its table
+        (``native_adafactor.table``) uploaded once per call site and reused while the tensors stay the same; math
+        in :func:`ampfused.ops.reference_adafactor.adafactor_step_`."""
+        params, grads = list(params), list(grads)
+        _AF.check(self.name, params, grads, master, factors, steps, partials, inv_scale, lr, out_stats, seed)
+        rows = _AF.table(params, grads)
+        device = steps.device
+
+        def build():
+            host, view = _work.staging(len(rows), device)
+            view[:len(rows)] = rows
+            return _work.upload(host, device), host
+
+        table, _ = self.step_tables.get((device, steps.data_ptr(), "adafactor"), rows, build, _capturing(device),
+                                        "the parameters and gradients of an Adafactor step")
+        pdtype, gdtype = self._step_dtypes(params, grads)
+        fmt = _kernels("_compact").launch_format(pdtype, master, None, seed)
+        _kernels("adafactor").adafactor_step_(
+            table, len(params), pdtype, gdtype, fmt, master, factors, steps, _A.partials_arg(partials), inv_scale,
+            lr, out_stats, beta2_decay, EPS1_DEFAULT if eps1 is None else eps1, eps2, d, weight_decay, max_norm,
+            maximize, seed)
 
 
 BACKEND = TritonBackend()
