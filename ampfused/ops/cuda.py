@@ -89,7 +89,7 @@ def _counter(step: Tensor) -> int:
 
 def work_lists(rows, chunk: int, tile: int, max_partials: int, shift: int,
                device: torch.device = torch.device("cpu")) -> Tuple[Tensor, int, int]:
-    """The tensor table (a flat list of ints or an int64 ``[T, 4]`` array, see ``_A.step_table``) followed
+    """The tensor table (a flat list of ints or an int64 ``[T, 4]`` array, see ``native_args.step_table``) followed
     by its chunk list and its K1 column list, as one host int64 tensor (page-locked when ``device`` is a CUDA
     device, for an upload without a host wait); with the number of chunks and of columns. Built by one C++ pass
     (``ampfused/_work.py``)."""
