@@ -213,6 +213,20 @@ def test_workloads():
         workloads.parse("gpt5")
 
 
+def test_a_run_puts_back_the_torch_settings_it_set(monkeypatch):
+    """A benchmark's main leaves the process's torch settings as it found them, also where torch.testing has
+    frozen the cuDNN flags (importing it does, for the rest of the process), which the run must not touch."""
+    from bench.align import run as align_run
+    from bench.common import settings
+    monkeypatch.setattr(torch.backends, "__allow_nonbracketed_mutation_flag", False)
+    before = settings._read()
+    with pytest.raises(SystemExit, match="power of two"):
+        cli.main(["--distributed", "--device", "cpu", "--world", "3"])
+    with pytest.raises(SystemExit, match="at least two windows"):
+        align_run.main(["--device", "cpu", "--threads", "1", "--steps", "3", "--window", "2"])
+    assert settings._read() == before
+
+
 def test_compile_budget_is_reported_as_unavailable():
     # in a subprocess: an interrupted compile must not leave dynamo state behind in this test session
     code = (

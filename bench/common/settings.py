@@ -22,14 +22,22 @@ def _read() -> dict:
 
 
 def _restore(saved: dict) -> None:
+    # Only what the run changed is set back: torch.testing (imported by the suite of torch's optimizer tests)
+    # freezes the cuDNN flags, and setting one then raises even to its own value.
+    now = _read()
     b = torch.backends
-    torch.set_num_threads(saved["threads"])
-    torch.use_deterministic_algorithms(saved["deterministic"], warn_only=saved["warn_only"])
-    b.cudnn.benchmark, b.cudnn.deterministic, b.cudnn.allow_tf32 = saved["cudnn"]
-    b.cuda.matmul.allow_tf32 = saved["matmul_tf32"]
-    for enable, on in zip((b.cuda.enable_flash_sdp, b.cuda.enable_mem_efficient_sdp, b.cuda.enable_cudnn_sdp),
-                          saved["sdp"]):
-        enable(on)
+    if now["threads"] != saved["threads"]:
+        torch.set_num_threads(saved["threads"])
+    if (now["deterministic"], now["warn_only"]) != (saved["deterministic"], saved["warn_only"]):
+        torch.use_deterministic_algorithms(saved["deterministic"], warn_only=saved["warn_only"])
+    if now["cudnn"] != saved["cudnn"]:
+        b.cudnn.benchmark, b.cudnn.deterministic, b.cudnn.allow_tf32 = saved["cudnn"]
+    if now["matmul_tf32"] != saved["matmul_tf32"]:
+        b.cuda.matmul.allow_tf32 = saved["matmul_tf32"]
+    if now["sdp"] != saved["sdp"]:
+        for enable, on in zip((b.cuda.enable_flash_sdp, b.cuda.enable_mem_efficient_sdp, b.cuda.enable_cudnn_sdp),
+                              saved["sdp"]):
+            enable(on)
     if saved["cublas"] is None:
         os.environ.pop(_CUBLAS_ENV, None)
     else:
