@@ -218,7 +218,8 @@ def test_a_run_puts_back_the_torch_settings_it_set(monkeypatch):
     frozen the cuDNN flags (importing it does, for the rest of the process), which the run must not touch."""
     from bench.align import run as align_run
     from bench.common import settings
-    monkeypatch.setattr(torch.backends, "__allow_nonbracketed_mutation_flag", False)
+    monkeypatch.setitem(torch.backends.flags_frozen.__globals__, "__allow_nonbracketed_mutation_flag", False)
+    assert torch.backends.flags_frozen()
     before = settings._read()
     with pytest.raises(SystemExit, match="power of two"):
         cli.main(["--distributed", "--device", "cpu", "--world", "3"])
