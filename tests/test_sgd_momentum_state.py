@@ -163,22 +163,25 @@ def test_torch_state_dict_without_momentum_matches_torch():
     topt.load_state_dict(opt.state_dict())
 
 
-def _compiled_run(fullgraph: bool, momenta, eager_after_switch: bool = False):
-    """FusedSGD stepped by ``torch.compile(opt.step)`` and an eager twin, the group's momentum set to ``momenta[k]``
-    before step k; returns the two parameter lists and the errors the compiled steps raised (by step)."""
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(n)) for n in (10, 33)]
+def _compiled_run(fullgraph: bool, momenta, mode: str = "fp32-params", backend: str = "cpu",
+                  eager_after_switch: bool = False):
+    """FusedSGD stepped by ``torch.compile(opt.step)`` and an eager twin fed the same gradients, the group's momentum
+    set to ``momenta[k]`` before step k; returns both optimizers, both parameter lists and the errors the compiled
+    steps raised (by step)."""
+    dtype, options, _ = MODES[mode]
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in (10, 33)]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = ampfused.FusedSGD(params, lr=0.1, momentum=momenta[0], backend="cpu")
-    ref = ampfused.FusedSGD(twins, lr=0.1, momentum=momenta[0], backend="cpu")
+    opt = ampfused.FusedSGD(params, lr=0.1, momentum=momenta[0], backend=backend, **options)
+    ref = ampfused.FusedSGD(twins, lr=0.1, momentum=momenta[0], backend=backend, **options)
     opt.state_dict()  # the optimizer sees its parameters eagerly before compiling
     step = torch.compile(opt.step, fullgraph=fullgraph)
     errors = {}
     for k, m in enumerate(momenta):
         for p, q in zip(params, twins):
-            g = torch.randn_like(p)
-            set_grad(p, g.clone())
-            set_grad(q, g.clone())
+            grad = torch.randn(p.shape, generator=g)
+            set_grad(p, grad)
+            set_grad(q, grad)
         switched = m != opt.param_groups[0]["momentum"]
         for o in (opt, ref):
             o.param_groups[0]["momentum"] = m
@@ -191,28 +194,77 @@ def _compiled_run(fullgraph: bool, momenta, eager_after_switch: bool = False):
             opt.step()
         ref.step()
     torch._dynamo.reset()
-    return params, twins, errors
+    return opt, ref, params, twins, errors
+
+
+def _assert_same_run(opt, ref, params, twins):
+    for i, (p, q) in enumerate(zip(params, twins)):
+        assert_bitwise(f"param {i}, compiled vs eager", p.detach(), q.detach())
+        for key, value in ref.state[q].items():
+            assert_bitwise(f"state '{key}' of param {i}, compiled vs eager", opt.state[p][key], value)
 
 
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_momentum_changed_between_compiled_steps(fullgraph):
     """A schedule that changes momentum between compiled steps (as OneCycleLR's cycle_momentum does): the compiled
     steps equal the eager ones bit for bit (the checks of a changed value are traceable)."""
-    params, twins, errors = _compiled_run(fullgraph, [0.5, 0.5, 0.8, 0.85, 0.9])
+    opt, ref, params, twins, errors = _compiled_run(fullgraph, [0.5, 0.5, 0.8, 0.85, 0.9])
     assert not errors
-    for p, q in zip(params, twins):
-        assert_bitwise("compiled vs eager", p.detach(), q.detach())
+    _assert_same_run(opt, ref, params, twins)
 
 
-def test_momentum_switched_on_under_compile():
-    """Switched on between compiled steps: without fullgraph the step falls back to eager there and makes the
-    buffer; with fullgraph it raises, saying what to do, writes nothing, and after one eager step the compiled
-    steps go on. Either way the run equals the eager one bit for bit."""
-    params, twins, errors = _compiled_run(False, [0.0, 0.0, 0.9, 0.9])
+@pytest.mark.parametrize("mode", ["fp32-params", "fp32-master", "q8-momentum"])
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_momentum_switched_on_under_compile(fullgraph, mode):
+    """Switched on between compiled steps, ``fullgraph=True`` included: the compiled step makes the buffer (zeros,
+    every other state carried) as the eager step does, and the run equals the eager one bit for bit, buffers too."""
+    _, _, per_element = MODES[mode]
+    opt, ref, params, twins, errors = _compiled_run(fullgraph, [0.0, 0.0, 0.9, 0.9], mode)
     assert not errors
-    for p, q in zip(params, twins):
-        assert_bitwise("compiled vs eager", p.detach(), q.detach())
-    params, twins, errors = _compiled_run(True, [0.0, 0.0, 0.9, 0.9], eager_after_switch=True)
-    assert list(errors) == [2] and "run one eager step() after the change" in errors[2], errors
-    for p, q in zip(params, twins):
-        assert_bitwise("compiled vs eager", p.detach(), q.detach())
+    assert _momentum_bytes(opt, params) >= sum(p.numel() * per_element for p in params)
+    assert all(opt.state[p]["momentum_buffer"].shape == p.shape for p in params)
+    _assert_same_run(opt, ref, params, twins)
+
+
+def test_momentum_switched_on_in_a_compiled_training_step():
+    """The step inside a compiled training function (forward, backward, step, zero_grad; backward breaks the
+    graph there): momentum switched on between calls gives the eager run's bits. The loss is linear in the
+    weights, so the compiled forward cannot round the gradients differently from the eager one."""
+    g = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g).to(BF16)) for n in (10, 33)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = ampfused.FusedSGD(params, lr=0.1, momentum=0.0, weight_decay=0.01)
+    ref = ampfused.FusedSGD(twins, lr=0.1, momentum=0.0, weight_decay=0.01)
+    opt.state_dict()
+
+    def train_step(ps, o, xs):
+        loss = sum((p.float() * x).sum() for p, x in zip(ps, xs))
+        loss.backward()
+        o.step()
+        o.zero_grad()
+
+    compiled = torch.compile(train_step)
+    for m in (0.0, 0.0, 0.9, 0.9):
+        for o in (opt, ref):
+            o.param_groups[0]["momentum"] = m
+        xs = [torch.randn(p.shape, generator=g) for p in params]
+        compiled(params, opt, xs)
+        train_step(twins, ref, xs)
+    torch._dynamo.reset()
+    _assert_same_run(opt, ref, params, twins)
+
+
+def test_momentum_switched_on_where_dynamo_cannot_run_init_group(monkeypatch):
+    """Where dynamo traces ``_init_group`` instead of running it (its arguments not mapped), nothing is made in the
+    trace: with fullgraph the compiled step raises, naming the group and saying what to do, and writes nothing;
+    after one eager step the compiled steps go on, and the run equals the eager one bit for bit."""
+    from torch._dynamo.variables import optimizer as dynamo_optimizer
+
+    def unmapped(self, *args, **kwargs):
+        raise dynamo_optimizer.ArgMappingException()
+
+    monkeypatch.setattr(dynamo_optimizer.OptimizerVariable, "get_python_args", unmapped)
+    opt, ref, params, twins, errors = _compiled_run(True, [0.0, 0.0, 0.9, 0.9], eager_after_switch=True)
+    assert list(errors) == [2], errors
+    assert "param_groups[0]" in errors[2] and "run one eager step() after the change" in errors[2], errors[2]
+    _assert_same_run(opt, ref, params, twins)

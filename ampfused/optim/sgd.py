@@ -109,3 +109,27 @@ class FusedSGD(SgdMath, FusedOptimizer):
                                      foreach=foreach, fused=fused)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
                          backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
+
+    def _check_hyperparameters(self) -> None:
+        if torch.compiler.is_compiling():
+            # first, before the traced step reads any segment: a group whose momentum was switched on since the
+            # last step gets its buffer here, so the trace sees the segments the step will use
+            for group in self.param_groups:
+                if self._state_names_for(group):
+                    self._init_group(group)
+        super()._check_hyperparameters()
+
+    def _init_group(self, group: dict) -> None:
+        """Make the momentum buffer of ``group`` when its step now reads one that its segments lack (momentum
+        switched on since the last step), carrying every other state; nothing when they hold it.
+
+        The name is torch.optim's: torch.compile runs an optimizer's ``_init_group(param_groups[i], ...)`` as
+        plain Python while it traces ``step`` (that is how torch.optim's lazily made state gets made) and traces
+        the rest against the state it left, so a compiled step, ``fullgraph=True`` included, makes the buffer as
+        an eager step does. Where dynamo traces this call instead (it could not map the arguments), nothing is
+        made: the compiling branch of ``_check_hyperparameters`` then raises, naming the group and what to do,
+        and a step compiled without ``fullgraph`` runs eagerly there."""
+        if torch.compiler.is_dynamo_compiling():  # (False when dynamo runs this call as Python)
+            return
+        gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+        self._validate_and_provide(group, f" in param_groups[{gi}]")
