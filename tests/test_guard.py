@@ -189,7 +189,7 @@ def test_bad_divisor_changes_nothing_even_after_unscale():
     scaler.scale(torch.ones(()))
     set_grad(params[0], 4.0)
     scaler.unscale_(opt)
-    cache = opt._partials_cache
+    partials = opt._clip_state.partials
     with pytest.raises(ValueError, match="grad_divisor must be a positive finite number"):
         opt.step(grad_divisor=-1.0)
-    assert opt._partials_cache is cache and opt._segments[0].steps.tolist() == [0.0]
+    assert opt._clip_state.partials is partials and opt._segments[0].steps.tolist() == [0.0]

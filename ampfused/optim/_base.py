@@ -27,6 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import ops
 from ..guard import SpikeGuard
 from . import _params as P
+from ._clip_state import ClipState, Owed
 from ._follow import _OWNERS, FollowParameters
 from ._gradients import _Batch, _host, _NO_GRAD, _shard_groups, ReadGradients
 from ._segment import LOW_PRECISION, Segment, versions
@@ -49,7 +50,6 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands us grad_scale / found_inf
     _ampfused_fused = True  # ampfused.GradScaler and clip_grad_norm_ use the hooks below
     state_names: tuple = ()
-    _raw_clip: Optional[Tensor] = None  # (instances pickled before it existed read this)
 
     def __init__(self, params, defaults: dict, *, max_grad_norm: Optional[float], master_weights: Optional[bool],
                  backend: Optional[str], spike_guard: Optional[SpikeGuard] = None, track_nonfinite: bool = False,
@@ -83,9 +83,7 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         self._replaced = WeakIdKeyDictionary()  # parameter -> the Parameter a module now holds in its place
         self._segments: List[Segment] = []
         self._packed_groups: List[Optional[List[Tensor]]] = []  # per group: its params as last packed
-        self._partials_cache = None  # (grad keys, partials) left by _ampfused_unscale_ / fold clip
-        self._pending_clip: Optional[float] = None  # a clip folded into the next step, on its unscaled gradients
-        self._raw_clip: Optional[Tensor] = None  # coefficient of a clip made on gradients not unscaled yet
+        self._clip_state = ClipState()  # what _ampfused_unscale_ and _ampfused_fold_clip_ leave to the step
         self._nonfinite: List[Tensor] = []
         self._calls = [0]  # step() calls that had gradients, since construction or load (a list: a compiled
         # step adds to it without setting an attribute of the optimizer)
@@ -208,26 +206,23 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
             return inv_scale / grad_divisor.to(device=inv_scale.device, dtype=torch.float32).reshape(())
         return inv_scale / float(grad_divisor)
 
-    def _partials_and_inv_scale(self, batch: _Batch, grad_divisor=None, raw_clip: Optional[Tensor] = None):
+    def _partials_and_inv_scale(self, batch: _Batch, grad_divisor, owed: Owed):
         """Partials of the step's gradients and the coefficient that unscales them, all on the device.
-        ``raw_clip``: the coefficient of a clip made on the gradients as they were before this step unscales
+        ``owed.coef``: the coefficient of a clip made on the gradients as they were before this step unscales
         them (see :meth:`_ampfused_fold_clip_`); it multiplies the unscale coefficient."""
         grad_scale = _on(getattr(self, "grad_scale", None), self._device)
         given_inv = _on(getattr(self, "_ampfused_inv_scale", None), self._device)  # ampfused.GradScaler's 1/scale
         found_inf = _on(getattr(self, "found_inf", None), self._device)
-        cache = self._partials_cache
-        if cache is not None:
-            self._partials_cache = None
-        if cache is not None and grad_scale is None and self._same_grads(cache[0], batch):
-            partials, inv_scale = cache[1], self._one  # gradients were unscaled (and measured) already
+        if owed.partials is not None:
+            partials, inv_scale = owed.partials, self._one  # gradients were unscaled (and measured) already
         else:
             if grad_scale is not None:
                 # as torch's unscale_ forms it; ampfused.GradScaler hands it over already formed
                 inv_scale = given_inv if given_inv is not None else grad_scale.double().reciprocal().float()
             else:
                 inv_scale = self._one
-            if raw_clip is not None:
-                inv_scale = inv_scale * raw_clip
+            if owed.coef is not None:
+                inv_scale = inv_scale * owed.coef
             inv_scale = self._divide(inv_scale, grad_divisor)
             partials = self._k1("norm_check", batch, inv_scale)
         if found_inf is not None:  # e.g. all-reduced across ranks by the training script
@@ -245,6 +240,28 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_hyperparameters()
+        batch = self._step_gradients()
+        if batch.empty:  # no gradient at all: torch.optim does nothing either
+            self._clip_state.reset()
+            return loss
+        owed = self._clip_state.consumed_by_step(batch.active, scaled=getattr(self, "grad_scale", None) is not None)
+        partials, inv_scale = self._partials_and_inv_scale(batch, grad_divisor, owed)
+        if self.track_nonfinite:
+            self._count_nonfinite(batch)
+        loss_t = loss if isinstance(loss, Tensor) else None
+        guard = self.spike_guard
+        lr_mult = None
+        if guard is not None:
+            partials, lr_mult, (norm, spike, overflow) = self._spike_check(partials, loss_t)
+        self._update_segments(batch, partials, inv_scale, lr_mult, owed.max_norm)
+        if guard is not None:
+            guard.record_(norm, loss_t, spike, overflow > 0)
+        self._calls[0] += 1
+        return loss
+
+    def _step_gradients(self) -> _Batch:
+        """The step's gradients: from the host pass when nothing changed, else read after following the
+        parameters."""
         batch = self._scan()
         if batch is None:
             self._follow_parameters()
@@ -252,47 +269,34 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         repeated = self.__dict__.get("_repeated_params")
         if repeated:
             raise ValueError(repeated)
-        if batch.empty:  # no gradient at all: torch.optim does nothing either
-            self._pending_clip = None
-            self._raw_clip = None
-            self._partials_cache = None
-            return loss
-        raw_clip = self._raw_clip
-        if raw_clip is not None:  # (no attribute set when there is nothing to clear: a compiled step sets none)
-            self._raw_clip = None
-        pending = self._pending_clip
-        if pending is not None:
-            self._pending_clip = None
-        if raw_clip is not None:
-            cache = self._partials_cache
-            as_clipped = cache is not None and cache[2:] == ("as they are",) and self._same_grads(cache[0], batch)
-            if as_clipped and getattr(self, "grad_scale", None) is None:
-                raw_clip = None  # the step reads the gradients the clip measured: it folds into K2 (max_norm)
-            else:
-                # the step unscales them, or they changed since (e.g. unscaled in place by torch's GradScaler):
-                # the clip's coefficient, measured on the gradients as they were, joins the unscale coefficient
-                pending = None
-        partials, inv_scale = self._partials_and_inv_scale(batch, grad_divisor, raw_clip)
-        if self.track_nonfinite:
-            self._count_nonfinite(batch)
-        lr_mult = None
+        return batch
+
+    def _spike_check(self, partials: Tensor, loss: Optional[Tensor]):
+        """The spike guard's verdict, before any update: the partials K2 reads (a skip flag appended when the
+        guard skips), the lr multiplier (when it scales the lr instead), and (norm, spike, overflow) for the
+        guard's record once the step is done."""
         guard = self.spike_guard
-        if guard is not None:
-            norm, overflow = ops.reduce_partials(partials)
-            self._overflow.copy_(overflow)
-            spike = guard.check(norm, loss if isinstance(loss, Tensor) else None)
-            if guard.action == "skip":
-                partials = _append_flag(partials, spike.float())
-            else:
-                lr_mult = torch.where(spike, guard.lr_factor, 1.0).float()
+        norm, overflow = ops.reduce_partials(partials)
+        self._overflow.copy_(overflow)
+        spike = guard.check(norm, loss)
+        lr_mult = None
+        if guard.action == "skip":
+            partials = _append_flag(partials, spike.float())
+        else:
+            lr_mult = torch.where(spike, guard.lr_factor, 1.0).float()
+        return partials, lr_mult, (norm, spike, overflow)
+
+    def _update_segments(self, batch: _Batch, partials: Tensor, inv_scale: Tensor, lr_mult: Optional[Tensor],
+                         folded_max_norm: Optional[float]) -> None:
+        """K2 over every segment that has a gradient; ``folded_max_norm``: a clip folded into this step."""
         for si, seg in enumerate(self._segments):
             if batch.segment_empty(si):
                 continue
             group = self.param_groups[seg.group_index]
             max_norm = group["max_grad_norm"]
             max_norm = math.inf if max_norm is None else float(max_norm)
-            if pending is not None:
-                max_norm = min(max_norm, pending)
+            if folded_max_norm is not None:
+                max_norm = min(max_norm, folded_max_norm)
             lr = self._lr_tensor(seg)
             if lr_mult is not None:
                 lr = lr * lr_mult
@@ -308,10 +312,6 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
                     seg.vers = versions(seg.tensors())
                 if not seg.all_state:
                     self._note_state(seg, [g is not None for g in grads])
-        if guard is not None:
-            guard.record_(norm, loss if isinstance(loss, Tensor) else None, spike, overflow > 0)
-        self._calls[0] += 1
-        return loss
 
     def _note_state(self, seg: Segment, stepped: List[bool]) -> None:
         """As torch.optim: a parameter has state once a step saw its gradient."""
@@ -392,9 +392,7 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         """As ``torch.optim.Optimizer.zero_grad``: gradients set to ``None`` (the default) or zeroed in place.
         Either way the next step reads whatever gradients backward produces, where it puts them; a clip folded
         into the next step belonged to the gradients zeroed here, and is dropped with them."""
-        self._partials_cache = None
-        self._pending_clip = None
-        self._raw_clip = None
+        self._clip_state.reset()
         super().zero_grad(set_to_none)
 
     # --- hooks used by ampfused.GradScaler and ampfused.clip_grad_norm_ ------------------------------------
@@ -404,17 +402,12 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         self._check_divisor(grad_divisor)
         self._follow_parameters()
         batch = self._collect()
-        inv_scale = _on(inv_scale, self._device)
-        if self._raw_clip is not None:  # a clip made on the scaled gradients, before this unscale
-            inv_scale = inv_scale * self._raw_clip
-            self._raw_clip = None
-            self._pending_clip = None
-        inv_scale = self._divide(inv_scale, grad_divisor)
+        inv_scale = self._divide(self._clip_state.unscale_coef(_on(inv_scale, self._device)), grad_divisor)
         if not batch.active:
-            self._partials_cache = None
+            self._clip_state.unscaled(None, None)
             return self._one * 0
         partials = self._k1("unscale_", batch, inv_scale)
-        self._partials_cache = (batch.keys(), partials, "unscaled")
+        self._clip_state.unscaled(batch.keys(), partials)
         return ops.reduce_partials(partials)[1]
 
     @torch.no_grad()
@@ -427,25 +420,15 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         batch = self._collect()
         if not batch.active:
             return None
-        cache = self._partials_cache
-        if cache is None or not self._same_grads(cache[0], batch):
-            cache = (batch.keys(), self._k1("norm_check", batch, self._one), "as they are")
-            self._partials_cache = cache
-        unscaled = cache[2:] == ("unscaled",)  # measured by _ampfused_unscale_, which unscaled them
-        norm = ops.reduce_partials(cache[1])[0]
+        clip = self._clip_state
+        if not clip.holds_partials_of(batch.active):
+            clip.measured(batch.keys(), self._k1("norm_check", batch, self._one))
+        norm = ops.reduce_partials(clip.partials)[0]
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
             raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
                                "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
                                "by the non-finite norm anyway, set `error_if_nonfinite=False`")
-        max_norm = float(max_norm)
-        if not unscaled:
-            # The gradients as they are now: if the step later unscales them (a scaler hands it the scale), this
-            # clip was made on the scaled gradients and must act on them (torch clips max_norm * scale there);
-            # the step then multiplies its unscale coefficient by this clip's coefficient, on the device.
-            coef = ops.clip_coef(norm, max_norm)
-            # a second clip of the same gradients: the smaller coefficient, as clipping twice in place gives
-            self._raw_clip = coef if self._raw_clip is None else torch.minimum(self._raw_clip, coef)
-        self._pending_clip = max_norm if self._pending_clip is None else min(self._pending_clip, max_norm)
+        clip.clip_folded(norm, float(max_norm))
         return norm
 
     # --- state dicts (torch.optim layout; see _state.py) ---------------------------------------------------
@@ -496,6 +479,10 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         return state
 
     def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        old_clip = [state.pop(name, None) for name in ("_partials_cache", "_pending_clip", "_raw_clip")]
+        if "_segments" in state and "_clip_state" not in state:  # pickled when these were three attributes
+            state["_clip_state"] = ClipState.from_fields(*old_clip)
         if "_segments" not in state:  # pickled by an older ampfused or by torch.optim.Optimizer.__getstate__
             self.__dict__.update(state)
             self._init_internals()

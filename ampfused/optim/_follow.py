@@ -217,7 +217,7 @@ class FollowParameters:
                     self.state.pop(p, None)
         self._segments = segments
         self._shard_groups = shard_groups
-        self._partials_cache = None
+        self._clip_state.forget_partials()
         if devices:
             device = next(iter(devices))
             if device != self._device:

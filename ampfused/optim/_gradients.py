@@ -129,7 +129,7 @@ class ReadGradients:
         place), when nothing about the parameters changed since the optimizer's last write and every gradient
         can be read where it is; else None, and the step takes the Python path (which follows the changes,
         copies or refuses gradients, and names what it refuses)."""
-        if torch.compiler.is_compiling() or self.track_nonfinite or self._partials_cache is not None \
+        if torch.compiler.is_compiling() or self.track_nonfinite or self._clip_state.holds_partials \
                 or len(self._replaced):
             return None
         host = _host()
@@ -212,11 +212,6 @@ class ReadGradients:
                                "nn.Embedding(sparse=False)) or give this parameter to torch.optim.SparseAdam.")
         raise RuntimeError(f"parameter {self._grad_name(seg, i)} is {seg.dtype} on {seg.device} but its gradient is "
                            f"{g.dtype} on {g.device}")
-
-    @staticmethod
-    def _same_grads(keys: List[tuple], batch: _Batch) -> bool:
-        return len(keys) == len(batch.active) and all(
-            k[0] is g and k[1] == g._version for k, g in zip(keys, batch.active))
 
     def _k1(self, op: str, batch: _Batch, inv_scale: Tensor) -> Tensor:
         """K1 over the step's gradients: the partials K2 reads. With FSDP2 the local shards' sums of squares

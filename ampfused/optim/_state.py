@@ -395,7 +395,7 @@ def finish_load(opt, state_dict: dict, saved_state: dict, new_groups: list) -> N
     for k, v in saved_state.items():
         if k not in saved_ids:
             opt.state[k] = v
-    opt._partials_cache = None
+    opt._clip_state.forget_partials()
     opt._bind_state()
 
 
