@@ -174,8 +174,8 @@ def _started(cmd, log_path):
     with open(log_path, "wb") as log:
         proc = tools.start_group(cmd, dict(os.environ), str(REPO), log)
     deadline = time.monotonic() + 300  # only bounds a child that never starts
-    while b"ready" not in open(log_path, "rb").read():
-        assert proc.poll() is None and time.monotonic() < deadline, open(log_path, "rb").read()
+    while b"ready" not in log_path.read_bytes():
+        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_bytes()
         time.sleep(0.01)
     return proc
 
