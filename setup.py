@@ -23,6 +23,7 @@ Build switches (environment, read once here):
   CUDA_HOME                      CUDA toolkit root (default: found from nvcc)
 """
 import concurrent.futures
+import glob
 import importlib.util
 import os
 import platform
@@ -129,11 +130,10 @@ class NativeExtension(Extension):
     """An extension compiled by NativeBuild: per-source extra flags, .cu files through nvcc."""
 
     def __init__(self, name, sources, cxx_flags=(), per_source=None, nvcc=None, nvcc_flags=(),
-                 link_flags=(), defines=(), split=None, split_macro=""):
+                 link_flags=(), defines=(), split=None):
         super().__init__(name, sources=sources)
-        # source basename -> N: compiled N times, with -D<split_macro>=0..N-1 (each object a part of its drivers)
+        # source basename -> {part: extra flags}: compiled once per part, each object one part of its drivers
         self.split = split or {}
-        self.split_macro = split_macro
         self.cxx_flags = list(cxx_flags)
         self.per_source = per_source or {}
         self.nvcc = nvcc
@@ -165,11 +165,10 @@ class NativeBuild(build_ext):
                     cmd = [ext.nvcc] + ext.nvcc_flags + ext.defines + extra
                 else:
                     cmd = [cxx] + base + ext.cxx_flags + ext.defines + extra
-                parts = ext.split.get(os.path.basename(src))
-                for k in range(parts) if parts else [None]:
-                    obj = stem + ("" if k is None else f".part{k}") + ".o"
-                    jobs.append((cmd + ([] if k is None else [f"-D{ext.split_macro}={k}"]), src, obj,
-                                 src.endswith(".cu")))
+                parts = ext.split.get(os.path.basename(src)) or {None: []}
+                for part, flags in parts.items():
+                    obj = stem + ("" if part is None else f".{part}") + ".o"
+                    jobs.append((cmd + flags, src, obj, src.endswith(".cu")))
                     objs.append(obj)
             links.append((ext, objs))
         # ampfused._host is optional (the optimizers have a Python path): a failure to build it against the
@@ -306,11 +305,15 @@ def native_extensions():
                                              "-mprefer-vector-width=512"]}
         isa_defines = ["-DAMPFUSED_HAVE_AVX2", "-DAMPFUSED_HAVE_AVX512"]
     link = omp + (["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else [])
-    # each instruction set's drivers in three objects (csrc/cpu/kernels_impl.h: AMPFUSED_CPU_PART), compiled in
-    # parallel: as one object per set, the Adam drivers' instantiations made it the build's slowest by far
-    split = {os.path.basename(src): 3 for src in cpu_sources if "kernels_" in src}
+    # each instruction set's drivers in one object for K1 and one per optimizer (csrc/cpu/steps/*.h, each named by
+    # AMPFUSED_CPU_STEP_FILE in csrc/cpu/kernels_impl.h), compiled in parallel: a new optimizer is a new file there
+    steps = {"k1": []}
+    for path in sorted(glob.glob(os.path.join(CSRC, "cpu", "steps", "*.h"))):
+        name = os.path.splitext(os.path.basename(path))[0]
+        steps[name] = [f'-DAMPFUSED_CPU_STEP_FILE="steps/{name}.h"']
+    split = {os.path.basename(src): steps for src in cpu_sources if "kernels_" in src}
     exts = [NativeExtension("ampfused._C", cpu_sources, cxx_flags=flags + omp, per_source=per_source,
-                            link_flags=link, defines=isa_defines, split=split, split_macro="AMPFUSED_CPU_PART")]
+                            link_flags=link, defines=isa_defines, split=split)]
     host = host_extension(cxx, host_identity)
     if host is not None:
         exts.append(host)
@@ -331,8 +334,9 @@ def native_extensions():
         # static cudart, kept private to this module (no symbol clash with torch's libcudart)
         cuda_link = [f"-L{libdir}", "-lcudart_static", "-ldl", "-lrt", "-lpthread",
                      "-Wl,--exclude-libs,ALL", "-Wl,-Bsymbolic"]
-        cuda_sources = ["csrc/cuda/module.cpp", "csrc/cuda/norm.cu", "csrc/cuda/adam.cu", "csrc/cuda/adam_bf16m.cu",
-                        "csrc/cuda/adam_q8m.cu", "csrc/cuda/sgd.cu", "csrc/cuda/lion.cu", "csrc/cuda/adafactor.cu"]
+        # every .cu file: each optimizer's kernels and step entry are a file (or a few) of their own
+        cuda_sources = ["csrc/cuda/module.cpp"] + sorted(
+            os.path.relpath(path, ROOT) for path in glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
         exts.append(NativeExtension("ampfused._C_cuda", cuda_sources, nvcc=nvcc, nvcc_flags=nvcc_flags,
                                     cxx_flags=flags, link_flags=cuda_link,
                                     per_source={"module.cpp": cuda_identity}))
@@ -382,7 +386,7 @@ setup(
                                      "torchtitan==0.3.0"],
                     # other libraries' low-precision AdamW for `python -m bench --peers` / `python -m bench.align
                     # --modes`; each accepts the installed torch (torchao and torch-optimi declare no torch pin or
-                    # torch>=2.2, flashoptim torch>=2.6 and triton, bitsandbytes torch>=2.3; its 8-bit Lion runs on
-                    # the CPU too), and none is needed by the package or its tests
+                    # torch>=2.2, flashoptim torch>=2.6 and triton, bitsandbytes torch>=2.3; its 8-bit optimizers run
+                    # on the CPU too), and none is needed by the package or its tests
                     "peers": ["torchao==0.18.0", "torch-optimi==0.3.3", "flashoptim==0.1.4", "bitsandbytes==0.50.2"]},
 )

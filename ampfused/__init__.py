@@ -2,27 +2,20 @@
 __version__ = "0.1.0"
 
 from . import ops  # noqa: F401
+from . import optim
 from .guard import SpikeGuard
-from .optim import FusedAdam, FusedAdamW, FusedSGD
+from .optim import *  # noqa: F401,F403  (every fused optimizer: optim.__all__)
 from .scaler import GradScaler
 from .policies import MinScaleError, ScalePolicy, register_scale_policy
 from .clip import clip_grad_norm_
 from . import cuda  # noqa: F401  (ampfused.cuda.amp.GradScaler, the torch.cuda.amp spelling)
 
-__all__ = ["ops", "__version__", "SpikeGuard", "FusedAdam", "FusedAdamW", "FusedSGD",
-           "GradScaler", "clip_grad_norm_", "cuda",
-           "ScalePolicy", "register_scale_policy", "MinScaleError",
-           "ShardedFusedAdam", "ShardedFusedAdamW", "ShardedFusedSGD"]
+# each fused optimizer's ZeRO-1 sharded version (ampfused.distributed), imported on first use
+_DISTRIBUTED = tuple("Sharded" + name for name in optim.__all__ if name.startswith("Fused"))
 
-from .optim import FusedAdafactor  # noqa: E402
-
-__all__ += ["FusedAdafactor"]
-
-_DISTRIBUTED = ("ShardedFusedAdam", "ShardedFusedAdamW", "ShardedFusedSGD")
-
-from .optim import FusedLion  # noqa: E402
-__all__ += ["FusedLion", "ShardedFusedLion", "ShardedFusedAdafactor"]
-_DISTRIBUTED += ("ShardedFusedLion", "ShardedFusedAdafactor")
+__all__ = ["ops", "__version__", "SpikeGuard", *(n for n in optim.__all__ if n.startswith("Fused")),
+           "GradScaler", "clip_grad_norm_", "cuda", "ScalePolicy", "register_scale_policy", "MinScaleError",
+           *_DISTRIBUTED]
 
 
 def __getattr__(name):

@@ -94,7 +94,8 @@ def op_table() -> List[Tuple[str, str, str, str]]:
             b = None if reasons and reasons[0].startswith("cannot import") else registry.get_backend(name)
             for op in OPS:
                 why = list(reasons)
-                if b is not None and not hasattr(b, op):
+                step = op in specs.SPECS and specs.SPECS[op].is_step
+                if b is not None and not why and not (b.has_step(op) if step else hasattr(b, op)):
                     why.append(f"backend {name!r} does not implement {op}")
                 rows.append((op, name, dev.type, "ok" if not why else "; ".join(why)))
     return rows

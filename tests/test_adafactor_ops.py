@@ -247,7 +247,7 @@ def test_cpu_bits_do_not_depend_on_the_thread_count():
 def _decode_tiles(params, grads, tile_elems):
     """Every (parameter, batch, row) a tile of the cuda backend's layout owns and every (parameter, batch, column) a
     column item owns, found as csrc/cuda/adafactor.cu finds them (af_find, af_tile), with each tile's partials."""
-    from ampfused.ops import native_adafactor as na
+    from ampfused.ops import native_factored as na
     info, num_tiles, num_items, num_colparts = na.tiles(params, grads, tile_elems)
     rows = [info[k * na.AF_INFO:(k + 1) * na.AF_INFO] for k in range(len(params) + 1)]
 
@@ -282,7 +282,7 @@ def _decode_tiles(params, grads, tile_elems):
 
 @pytest.mark.parametrize("tile_elems", [1, 7, 64, 16384])
 def test_cuda_tiles_cover_every_row_and_column_once(tile_elems):
-    """The cuda backend's tile layout (native_adafactor.tiles), read as its kernel reads it: each row of every
+    """The cuda backend's tile layout (native_factored.tiles), read as its kernel reads it: each row of every
     matrix (each element of a vector) in one tile, each column in one item, the column partials disjoint;
     parameters without a gradient in none."""
     params = [torch.zeros(s) for s, _ in PARAMS] + [torch.zeros(300, 5), torch.zeros(4, 600), torch.zeros(9)]
@@ -315,8 +315,8 @@ def test_gpu_backends_match_the_reference(backend, tile_elems, monkeypatch):
     if reasons:
         pytest.skip(f"the {backend} backend cannot run on this GPU: " + "; ".join(reasons))
     if tile_elems is not None:
-        from ampfused.ops import native_adafactor
-        monkeypatch.setattr(native_adafactor, "AF_TILE_ELEMS", tile_elems)
+        from ampfused.ops import native_factored
+        monkeypatch.setattr(native_factored, "AF_TILE_ELEMS", tile_elems)
     init, layouts = _runs()
 
     def on_gpu(run):
@@ -361,13 +361,13 @@ def test_gpu_backends_match_the_reference(backend, tile_elems, monkeypatch):
 @pytest.mark.parametrize("kind", ["cpu", "cuda"])
 def test_native_modules_read_the_table_python_writes(kind):
     from ampfused import _native
-    from ampfused.ops import native_adafactor
+    from ampfused.ops import native_factored
     if _native.unavailable_reason(kind):
         pytest.skip(f"ampfused's {kind} module is not built: {_native.unavailable_reason(kind)}")
-    assert _native.module(kind).AF_COLS == native_adafactor.AF_COLS
+    assert _native.module(kind).step_constants()["AF_COLS"] == native_factored.AF_COLS
     p = torch.zeros(2, 3, 4).permute(2, 0, 1)
-    row = native_adafactor.table([p], [None])
-    assert len(row) == native_adafactor.AF_COLS and row[2] == _native.NO_GRAD and row[5] == 3
+    row = native_factored.table([p], [None])
+    assert len(row) == native_factored.AF_COLS and row[2] == _native.NO_GRAD and row[5] == 3
     assert row[6:9] == [4, 2, 3] and row[14:17] == list(p.stride())
 
 
@@ -377,7 +377,7 @@ def test_cuda_backend_passes_its_module_the_table_tiles_and_scratch(monkeypatch)
     for the column partials and three sums per tile; the upload is reused while the table holds."""
     from ampfused import _native
     from ampfused.ops import cuda as C
-    from ampfused.ops import native_adafactor as na
+    from ampfused.ops import native_factored as na
     from test_host_pass import _recording_cuda_backend
     if _native.unavailable_reason("cuda"):
         pytest.skip(f"ampfused's cuda module is not built: {_native.unavailable_reason('cuda')}")

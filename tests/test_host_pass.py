@@ -297,6 +297,10 @@ def test_the_cuda_backends_table_entries_hand_its_kernels_the_rows_of_its_list_e
 
     class Recorder:
         STEP_CHUNK, TILE, MAX_PARTIALS_PER_TENSOR, WORK_SHIFT = 4096, 1024, 64, 32
+        STEP_SLOTS = _native.module("cpu").STEP_SLOTS  # (the modules share the packed call's layout)
+
+        def step_ops(self):
+            return _native.module("cpu").step_ops()
 
         def num_partials(self, numels):
             return sum((n + 1023) // 1024 for n in numels)
@@ -343,14 +347,33 @@ def test_the_cuda_backends_table_entries_hand_its_kernels_the_rows_of_its_list_e
     assert tuple(partials.shape) == (2, 5)
 
     calls.clear()
-    st = seg.states
-    backend.adam_step_table((seg.table_address, len(seg), seg.table), seg.dtype, seg.master, st["exp_avg"],
-                            st["exp_avg_sq"], seg.steps, partials, inv, seg.lr, opt._stats, 0.9, 0.999, 1e-8, 0.0,
-                            float("inf"), True, False)
-    (name, args), = calls
-    assert name == "adam_step" and C._works[(0, "table", seg.table_address)] is work  # K1's upload, reused
+    backend.step(_table_call(seg, opt, partials, inv))
+    (name, (op, slots, hyper)), = calls
+    assert name == "step" and op == "adam_step_"
+    assert C._works[(0, "table", seg.table_address)] is work  # K1's upload, reused
+    # what the CUDA entry reads of it (the CPU module runs the same reader): the device work, the segment's buffers
+    cpu = _native.module("cpu")
+    read, by_name = cpu.read_step(op, slots, hyper), dict(zip(cpu.STEP_SLOTS, slots))
+    assert (read["table"], read["count"], read["num_partials"]) == (work.table, len(seg), partials.shape[1])
+    assert (read["state1"], read["state2"]) == (seg.states["exp_avg"].data_ptr(), seg.states["exp_avg_sq"].data_ptr())
+    assert (by_name["chunks"], by_name["num_chunks"], by_name["columns"]) == (work.chunks, work.num_chunks,
+                                                                           work.columns)
+    assert read["hyper"] == dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_norm=float("inf"),
+                                 decoupled=1.0, maximize=0.0)
     assert C.stats["uploads"] == uploads + 1
-    assert args[:5] == (work.table, 3, 1, 1, seg.master.data_ptr())
+    assert (read["param_dtype"], read["grad_dtype"], read["master"]) == (1, 1, seg.master.data_ptr())
+
+
+def _table_call(seg, opt, partials, inv):
+    """An AdamW step of a segment from its host table, as the optimizer makes it."""
+    from ampfused.ops.call import StepCall
+    from ampfused.ops.specs import SPECS
+    st = seg.states
+    return StepCall(SPECS["adam_step_"], table=(seg.table_address, len(seg), seg.table), dtype=seg.dtype,
+                    master=seg.master, states=dict(exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"]), steps=seg.steps,
+                    partials=partials, inv_scale=inv, lr=seg.lr, out_stats=opt._stats,
+                    hyper=dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_norm=float("inf"),
+                               decoupled=True, maximize=False))
 
 
 def _recording_cuda_backend(monkeypatch, calls: list):
@@ -361,6 +384,10 @@ def _recording_cuda_backend(monkeypatch, calls: list):
 
     class Recorder:
         STEP_CHUNK, TILE, MAX_PARTIALS_PER_TENSOR, WORK_SHIFT = 4096, 1024, 64, 32
+        STEP_SLOTS = _native.module("cpu").STEP_SLOTS  # (the modules share the packed call's layout)
+
+        def step_ops(self):
+            return _native.module("cpu").step_ops()
 
         def __getattr__(self, name):
             return lambda *args: calls.append((name, args))
@@ -395,10 +422,7 @@ def test_the_cuda_backends_cached_work_keeps_no_staging_buffer(monkeypatch):
         opt.step()
         seg = opt._segments[0]
         partials = backend.norm_check_tables([(seg.table_address, len(seg), seg.dtype, seg.table)], 0, inv)
-        st = seg.states
-        backend.adam_step_table((seg.table_address, len(seg), seg.table), seg.dtype, seg.master, st["exp_avg"],
-                                st["exp_avg_sq"], seg.steps, partials, inv, seg.lr, opt._stats, 0.9, 0.999, 1e-8,
-                                0.0, float("inf"), True, False)
+        backend.step(_table_call(seg, opt, partials, inv))
     assert len(watch.handed_out) == 3 and watch.kept() == 0
     work = C._works[(0, "table", seg.table_address)]
     assert work.dev[:seg.table.size].tolist() == seg.table.reshape(-1).tolist()

@@ -195,8 +195,8 @@ def test_bad_inputs_fail_before_any_change(backend):
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
 @pytest.mark.parametrize("options", [{}, dict(bf16_stochastic_round=True, exp_avg_dtype=torch.uint8)])
 def test_optimizer_tables_bitwise_reference(backend, options):
-    """FusedLion through the backend's table entry (lion_step_table) against the reference backend's Python path:
-    the same bits without clipping (one coefficient: the inverse scale)."""
+    """FusedLion through the backend's step from a table (the host pass's path) against the reference backend's
+    Python path: the same bits without clipping (one coefficient: the inverse scale)."""
     import ampfused
     init = [torch.randn(s) for s in ((33, 7), (257,), (1,))]
     runs = []

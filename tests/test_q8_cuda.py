@@ -22,6 +22,7 @@ import torch
 
 import ampfused
 from ampfused import _native, ops
+from ampfused.ops import native_args
 from ampfused.ops import reference as R, state_precision as sp
 from ampfused.ops.reference import memory_view, state_layout
 from oracle import assert_bitwise
@@ -349,17 +350,16 @@ def test_module_refuses_8bit_moments_without_seed_or_scales():
     """The compiled entry's own rules, checked before it selects a device (so without a GPU too)."""
     _built()
     mod = _native.module("cuda")
-    args = dict(table=8, count=1, param_dtype=0, grad_dtype=0, master=0, exp_avg=16, exp_avg_sq=32, steps=48,
-                step_code=0, partials=64, num_partials=1, inv_scale=80, lr=96, lr_code=0, out_stats=112, beta1=0.9,
-                beta2=0.999, eps=1e-8, weight_decay=0.0, max_norm=1.0, decoupled=True, maximize=False, device=0,
-                stream=0, chunks=128, num_chunks=1, columns=144, num_columns=1, counter=160, single_launch=False)
+    slots = dict(table=8, count=1, param_dtype=0, grad_dtype=0, master=0, state1=16, state2=32, steps=48,
+                 step_code=0, partials=64, num_partials=1, inv_scale=80, lr=96, lr_code=0, out_stats=112, device=0,
+                 stream=0, chunks=128, num_chunks=1, columns=144, num_columns=1, counter=160, single_launch=0)
+    pack = native_args.packer(mod)
+    adam = [0.9, 0.999, 1e-8, 0.0, 1.0, 1.0, 0.0]
     for bad in (dict(state_dtype=4, seed=8), dict(state_dtype=4, state_scales=8, scale_blocks=1),
                 dict(state_dtype=4, seed=8, state_scales=8, scale_blocks=0)):
         with pytest.raises(ValueError, match="8-bit moments need their codes, a seed and their block scales"):
-            mod.adam_step(**args, **bad)
+            mod.step("adam_step_", pack.slots(slots, bad), adam)
     with pytest.raises(ValueError, match="state_dtype must be 0"):
-        mod.adam_step(**args, state_dtype=7)
-    sgd = {k: v for k, v in args.items() if k not in ("exp_avg", "exp_avg_sq", "beta1", "beta2", "eps", "decoupled")}
-    sgd.update(momentum_buf=16, momentum=0.9, dampening=0.0, nesterov=False)
+        mod.step("adam_step_", pack.slots(slots, dict(state_dtype=7)), adam)
     with pytest.raises(ValueError, match="8-bit moments need"):
-        mod.sgd_step(**sgd, state_dtype=4, seed=8)
+        mod.step("sgd_step_", pack.slots(slots, dict(state2=0, state_dtype=4, seed=8)), [0.9, 0.0, 0.0, 0.0, 1.0, 0.0])

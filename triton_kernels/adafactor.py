@@ -15,7 +15,7 @@ run to run. With the scaler the step is K1, this launch and the scale update: th
 Parallelism is one program per parameter: enough for models of many tensors; a single large matrix runs on one
 program (docs/adafactor.md gives the split across programs that a GPU wants for those).
 
-Table (``ops/native_adafactor.py``): one row of ``AF_COLS`` int64 per parameter: param and grad
+Table (``ops/native_factored.py``): one row of ``AF_COLS`` int64 per parameter: param and grad
 addresses, numel (-1 without a gradient), offset in ``master``, offset in ``factors``, ndim, 8 sizes, 8 strides.
 """
 import math

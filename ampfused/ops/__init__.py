@@ -7,6 +7,7 @@ The math of each op is written in :mod:`ampfused.ops.reference`, which is the sp
 """
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from typing import List, Optional
@@ -16,6 +17,7 @@ from torch import Tensor
 from torch.utils import _python_dispatch
 
 from . import checks, library, reference, registry, specs
+from .call import StepCall
 from .reference import clip_coef, memory_view, reduce_partials, state_layout
 from .registry import (Backend, available_backends, get_backend, register_backend, registered_backends,
                        resolve)
@@ -25,7 +27,6 @@ __all__ = [
     "clip_coef", "num_partials", "state_layout", "memory_view", "available_backends", "registered_backends", "register_backend", "resolve",
     "get_backend", "Backend", "reference",
 ]
-__all__ += ["lion_step_"]
 
 
 def _dtypes(*ts) -> tuple:
@@ -64,8 +65,9 @@ def _call(op: str, probe: Tensor, *args, **kw):
     backend (what the custom op would run, without its dispatch cost, which dominates launch-bound steps) and
     bump the version counters of what it wrote, as the custom op would (caches such as the clip's rely on
     them); traced code, tensor subclasses and dispatch modes (fake tensors, meta) go through the custom op."""
-    if (type(probe) is Tensor and not torch.compiler.is_compiling()
-            and _python_dispatch._get_current_dispatch_mode() is None):
+    if op in _STEP_OPS:
+        return run_step(StepCall.of_op(specs.SPECS[op], args[:-1], kw), args[-1])
+    if _eager(probe):
         out = getattr(get_backend(args[-1]), op)(*args[:-1], **kw)
         written = []
         for i in _MUTATED[op]:
@@ -80,6 +82,47 @@ def _call(op: str, probe: Tensor, *args, **kw):
             torch.autograd.graph.increment_version(written)
         return out
     return library.OPS[op](*_positional(op, args, kw))
+
+
+def _eager(probe) -> bool:
+    return (type(probe) is Tensor and not torch.compiler.is_compiling()
+            and _python_dispatch._get_current_dispatch_mode() is None)
+
+
+def run_step(call: StepCall, backend: str) -> None:
+    """The one door from an op or an optimizer to a step kernel: ``call`` (its tensors validated, or a fused
+    optimizer's checked table) on backend ``backend`` (a name). Eager calls on plain tensors go straight to the
+    backend's :meth:`~ampfused.ops.registry.Backend.step` and bump the version counters of what it wrote, as the
+    custom op would; traced code, tensor subclasses and dispatch modes go through ``torch.ops.ampfused.<op>``
+    (a table is the fused optimizers' eager path only)."""
+    if call.table is not None:
+        get_backend(backend).step(call)
+    elif _eager(call.steps):
+        get_backend(backend).step(call)
+        written = call.tensors_written()
+        if written:
+            torch.autograd.graph.increment_version(written)
+    else:
+        op = call.spec.name
+        library.OPS[op](*_positional(op, (*call.op_args(), backend), call.compact_kwargs()))
+
+
+def _public_step(op: str, params, grads, master: Optional[Tensor], states: dict, steps, partials: Tensor,
+                 inv_scale: Tensor, lr: Tensor, out_stats: Tensor, hyper: dict, seed: Optional[Tensor],
+                 state_scales: Optional[Tensor], backend: Optional[str]) -> None:
+    """A public step op: every rule of its inputs checked before anything changes, its backend picked, run."""
+    params, grads, steps = _as_lists(params, grads, steps)
+    spec = specs.SPECS[op]
+    call = StepCall(spec, params=params, grads=grads, master=master, states=states, steps=steps, partials=partials,
+                    inv_scale=inv_scale, lr=lr, out_stats=out_stats, hyper=hyper, seed=seed,
+                    state_scales=state_scales)
+    given = [(n, t) for n, t in call.used_states() if t is not None]
+    checks.step_inputs(params, grads, master, given, steps, partials, inv_scale, lr, out_stats, seed, state_scales)
+    checks.scalars(**{h.name: hyper[h.name] for h in spec.hypers if h.type == "float"})
+    for h in spec.hypers:  # the kernels' types
+        v = hyper[h.name]
+        hyper[h.name] = bool(v) if h.type == "bool" else v if v is None else float(v)
+    run_step(call, _pick(steps.device, _step_dtypes(params, grads, master), backend))
 
 
 def _positional(op: str, args: tuple, kw: dict) -> tuple:
@@ -149,34 +192,39 @@ def _step_dtypes(params, grads, master) -> tuple:
     return _dtypes(params[0] if params else None, g, master if master is None or master.is_floating_point() else None)
 
 
-def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,
-               exp_avg_sq: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
-               out_stats: Tensor, *, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
-               weight_decay: float = 0.0, max_norm: float = math.inf, decoupled: bool = False,
-               maximize: bool = False, seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None,
-               backend: Optional[str] = None) -> None:
-    """Fused Adam/AdamW step (K2) over parameters where they live and flat optimizer state.
+def _public_function(spec: specs.OpSpec):
+    """The public function of step op ``spec`` (a record with a ``doc``): its tensors by position (states in the
+    record's order), its hyperparameters by name with the record's defaults, ``seed``, ``state_scales``, ``backend``;
+    every input checked before anything changes (:func:`_public_step`)."""
+    P, K = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+    tensors = ("params", "grads", "master", *(s.name for s in spec.states), "steps", "partials", "inv_scale", "lr",
+               "out_stats")
+    sig = inspect.Signature([inspect.Parameter(n, P) for n in tensors]
+                            + [inspect.Parameter(h.name, K, default=h.default) for h in spec.hypers]
+                            + [inspect.Parameter(n, K, default=None) for n in ("seed", "state_scales", "backend")],
+                            return_annotation=None)
+    states = [s.name for s in spec.states]
 
-    params: list of T dense tensors (one dtype, fp32/bf16/fp16; any memory layout), updated in place;
-    grads: T entries, ``None`` for a parameter to leave alone this step, else a tensor with its parameter's
-    shape and layout (one dtype for all); master (fp32, or ``None`` for fp32 params), exp_avg, exp_avg_sq:
-    1-D flat buffers of ``state_layout([p.numel() for p in params])[1]`` elements; steps: ``[T]`` fp32 step
-    counts; partials ``[2, P]`` from :func:`norm_check`; inv_scale, lr: 0-d fp32; out_stats: ``[2]`` fp32.
-    A single flat parameter may be passed as a tensor (with its gradient as a tensor and a 0-d step).
-    Math: :func:`reference.adam_step_`. Compact state (``docs/state-precision.md``): ``master`` int16 (master
-    remainders of bf16 params), ``master=None`` with bf16 params (stochastic rounding), bf16 moments, uint8
-    moments (8-bit codes; the flat buffers laid out by ``state_layout(numels, QBLOCK)``, ``state_scales`` the
-    ``[2, blocks]`` fp32 block scales); ``seed`` (0-d int64) keys the stochastic rounding and is required by all
-    but the remainders.
-    """
-    params, grads, steps = _as_lists(params, grads, steps)
-    checks.step_inputs(params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], steps,
-                       partials, inv_scale, lr, out_stats, seed, state_scales)
-    checks.scalars(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, max_norm=max_norm)
-    name = _pick(steps.device, _step_dtypes(params, grads, master), backend)
-    _call("adam_step_", steps, params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
-          out_stats, float(beta1), float(beta2), float(eps), float(weight_decay), float(max_norm),
-          bool(decoupled), bool(maximize), name, **_compact_kwargs(seed, state_scales))
+    def op(*args, **kwargs):
+        a = sig.bind(*args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        _public_step(spec.name, a["params"], a["grads"], a["master"], {n: a[n] for n in states}, a["steps"],
+                     a["partials"], a["inv_scale"], a["lr"], a["out_stats"], {h.name: a[h.name] for h in spec.hypers},
+                     a["seed"], a["state_scales"], a["backend"])
+
+    op.__name__ = op.__qualname__ = spec.name
+    op.__module__ = __name__
+    op.__signature__ = sig
+    op.__doc__ = spec.doc
+    return op
+
+
+for _spec in specs.SPECS.values():
+    if _spec.is_step and _spec.doc:
+        globals()[_spec.name] = _public_function(_spec)
+        if _spec.name not in __all__:
+            __all__.append(_spec.name)
 
 
 def adamw_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats, *,
@@ -186,37 +234,6 @@ def adamw_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv
     adam_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, max_norm=max_norm,
                decoupled=True, maximize=maximize, seed=seed, state_scales=state_scales, backend=backend)
-
-
-def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
-              momentum_buf: Optional[Tensor], steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
-              out_stats: Tensor, *, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
-              nesterov: bool = False, max_norm: float = math.inf, maximize: bool = False,
-              seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None,
-              backend: Optional[str] = None) -> None:
-    """Fused SGD step; tensors as :func:`adam_step_` (``momentum_buf`` a flat buffer, needed when
-    ``momentum != 0``; uint8 with ``state_scales`` ``[1, blocks]``); math in :func:`reference.sgd_step_`."""
-    params, grads, steps = _as_lists(params, grads, steps)
-    states = [("momentum_buf", momentum_buf)] if momentum != 0 else []
-    if momentum != 0 and momentum_buf is None:
-        raise ValueError("momentum_buf is required when momentum != 0")
-    checks.step_inputs(params, grads, master, states, steps, partials, inv_scale, lr, out_stats, seed, state_scales)
-    checks.scalars(momentum=momentum, dampening=dampening, weight_decay=weight_decay, max_norm=max_norm)
-    name = _pick(steps.device, _step_dtypes(params, grads, master), backend)
-    _call("sgd_step_", steps, params, grads, master, momentum_buf if momentum != 0 else None, steps, partials,
-          inv_scale, lr, out_stats, float(momentum), float(dampening), float(weight_decay), bool(nesterov),
-          float(max_norm), bool(maximize), name, **_compact_kwargs(seed, state_scales))
-
-
-def _compact_kwargs(seed: Optional[Tensor], state_scales: Optional[Tensor]) -> dict:
-    """The compact-state arguments of a step op, given only when set (a backend without compact state keeps
-    its signature)."""
-    kw = {}
-    if seed is not None:
-        kw["seed"] = seed
-    if state_scales is not None:
-        kw["state_scales"] = state_scales
-    return kw
 
 
 def call_update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
@@ -237,31 +254,6 @@ def call_k1(op: str, grads: List[Tensor], inv_scale: Tensor, dtypes: tuple, back
 def step_backend(device, dtypes: tuple, backend: Optional[str] = None) -> str:
     """Name of the backend the step ops pick for this device and these dtype names (cached)."""
     return _pick(torch.device(device), dtypes, backend)
-
-
-def call_step_(op: str, *args, seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None) -> None:
-    """Run a step op (``"adam_step_"``, ...: a name in ``specs.SPECS``) with arguments already in the op's form and
-    validated, the backend name last (``seed``: the stochastic rounding's, for compact state): the fused
-    optimizers validate what changed on the host and call this each step, so a step does not re-check every
-    tensor."""
-    _call(op, args[_PROBE[op]], *args, **_compact_kwargs(seed, state_scales))
-
-
-def lion_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,
-               steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, *,
-               beta1: float = 0.9, beta2: float = 0.99, weight_decay: float = 0.0, max_norm: float = math.inf,
-               maximize: bool = False, seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None,
-               backend: Optional[str] = None) -> None:
-    """Fused Lion step; tensors as :func:`adam_step_` with one moment (``exp_avg``: fp32, bf16, or uint8 with
-    ``state_scales`` ``[1, blocks]``); math in :func:`reference.lion_step_`."""
-    params, grads, steps = _as_lists(params, grads, steps)
-    checks.step_inputs(params, grads, master, [("exp_avg", exp_avg)], steps, partials, inv_scale, lr, out_stats,
-                       seed, state_scales)
-    checks.scalars(beta1=beta1, beta2=beta2, weight_decay=weight_decay, max_norm=max_norm)
-    name = _pick(steps.device, _step_dtypes(params, grads, master), backend)
-    _call("lion_step_", steps, params, grads, master, exp_avg, steps, partials, inv_scale, lr, out_stats,
-          float(beta1), float(beta2), float(weight_decay), float(max_norm), bool(maximize), name,
-          **_compact_kwargs(seed, state_scales))
 
 
 # Adafactor (its state is factored, not shaped like the parameters: ops/adafactor.py)

@@ -14,10 +14,16 @@ class ReferenceBackend(Backend):
     norm_check = staticmethod(reference.norm_check)
     unscale_ = staticmethod(reference.unscale_)
     update_scale_ = staticmethod(reference.update_scale_)
-    adam_step_ = staticmethod(reference.adam_step_)
-    sgd_step_ = staticmethod(reference.sgd_step_)
-    lion_step_ = staticmethod(reference.lion_step_)
-    adafactor_step_ = staticmethod(reference.adafactor_step_)
+
+    def step(self, call) -> None:
+        """Every step op is its function in :mod:`ampfused.ops.reference` (the specification)."""
+        if call.table is not None or call.options:
+            raise TypeError(f"the reference backend takes a step's tensors, without options (got "
+                            f"{'a table' if call.table is not None else sorted(call.options)})")
+        getattr(reference, call.spec.name)(*call.op_args(), **call.compact_kwargs())
+
+    def has_step(self, op: str) -> bool:
+        return hasattr(reference, op)
 
 
 BACKEND = ReferenceBackend()

@@ -22,12 +22,12 @@ def pick(device: torch.device, dtypes: tuple, backend: Optional[str], op: str = 
     """The backend that runs ``op`` here: the one the step ops pick, or the next in priority that has ``op``."""
     from . import _pick
     name = _pick(device, dtypes, backend)
-    if hasattr(registry.get_backend(name), op):
+    if registry.get_backend(name).has_step(op):
         return name
     if backend or os.environ.get(registry.ENV_VAR):
         raise RuntimeError(f"ampfused backend {name!r} (forced) does not implement {op}")
     for other in registry.available_backends(device, tuple(getattr(torch, d.split(".")[-1]) for d in dtypes)):
-        if hasattr(registry.get_backend(other), op):
+        if registry.get_backend(other).has_step(op):
             return other
     raise RuntimeError(f"no ampfused backend implements {op} on {device}")
 

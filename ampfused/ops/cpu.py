@@ -20,9 +20,9 @@ from torch import Tensor
 
 from .. import _native
 from . import checks
-from . import native_adafactor as _AF
+from . import native_factored as _AF
 from . import native_args as _A
-from .reference_adafactor import EPS1_DEFAULT
+from .call import StepCall
 from .registry import Backend
 
 _N = _native
@@ -99,61 +99,64 @@ class CpuBackend(Backend):
         """Trailing arguments of the scale update: none here, device and stream for CUDA."""
         return ()
 
-    # ---- the step ------------------------------------------------------------------------------------
-    def _step_head(self, params, grads, master, states, steps, partials, inv_scale, lr, out_stats):
-        """Leading kernel arguments shared by every step, and the tensors that must outlive the call."""
-        params = list(params)
-        grads = list(grads)
-        rows, total = _A.step_table(params, grads, _A.layout_align(next((s for _, s in states if s is not None), None)))
-        _A.check_state_sizes(self.name, [("master", master)] + list(states), total, steps.device)
-        partials = _A.partials_arg(partials)
-        head = [rows, len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0,
-                _A.grad_code(grads), _N.ptr(master)]
-        tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], partials.data_ptr(), partials.shape[1],
-                inv_scale.data_ptr(), lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr()]
-        return head, tail, partials
+    # ---- the step: one entry for every step op ----------------------------------------------------------
+    def step(self, call: StepCall) -> None:
+        """The step op of ``call`` (math and tensors in :mod:`ampfused.ops.reference`): its arguments packed by
+        name into the module's one step entry (``csrc/include/ampfused/step_pack.h``), which runs the kernels that
+        op's source file registered."""
+        if call.spec.layout == "factored":
+            self._factored_step(call)
+            return
+        states = [(n, t) for n, t in call.used_states() if t is not None]
+        fmt = self._check_flat(call, states)
+        place = self._place_flat(call, states)
+        mod = self._mod()
+        pack = _A.packer(mod)
+        flat = self._flat_slots(call, states, fmt)  # (held to the call: it keeps the partials it packed alive)
+        mod.step(call.spec.name, pack.slots(place, flat), pack.hyper(call), *place.get("rows", ()))
 
-    def adam_step_(self, params, grads, master: Optional[Tensor], exp_avg: Tensor, exp_avg_sq: Tensor,
-                   steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta1: float,
-                   beta2: float, eps: float, weight_decay: float, max_norm: float, decoupled: bool,
-                   maximize: bool = False, seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None,
-                   **options) -> None:
-        """Adam/AdamW; math and tensors in :func:`ampfused.ops.reference.adam_step_` (compact state included)."""
-        compact = _A.check_step(self.name, params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
-                                steps, partials, inv_scale, lr, out_stats, seed, state_scales)
-        compact = tuple(compact) + _A.q8_args(state_scales)
-        head, tail, keep = self._step_head(params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
-                                           steps, partials, inv_scale, lr, out_stats)
-        self._launch_adam(head + [exp_avg.data_ptr(), exp_avg_sq.data_ptr()] + tail
-                          + [float(beta1), float(beta2), float(eps), float(weight_decay), float(max_norm),
-                             bool(decoupled), bool(maximize)], steps, keep, compact, **options)
+    def has_step(self, op: str) -> bool:
+        """Whether the module has an entry for ``op`` (False when it cannot load: ``unavailable_reason`` says why)."""
+        try:
+            return op in _A.packer(self._mod()).hypers
+        except ImportError:
+            return False
 
-    def _launch_adam(self, args, steps: Tensor, keep, compact=(0, 0, 0, 0, 0), **options):
-        if options:
-            raise TypeError(f"the {self.name} backend takes no options, got {sorted(options)}")
-        self._mod().adam_step(*args, *self._device_args(steps.device), *compact)
+    def _check_flat(self, call: StepCall, states) -> tuple:
+        """What the kernels rely on beyond :func:`ampfused.ops.checks.step_inputs` (which the ops run first; a
+        fused optimizer's table was checked by ``ampfused._host``); the compact-state codes (``native_args``)."""
+        if call.table is not None:
+            return _N.compact_args(call.dtype, call.master, states[0][1] if states else None, call.seed)
+        return _A.check_step(self.name, call.params, call.grads, call.master, states, call.steps, call.partials,
+                             call.inv_scale, call.lr, call.out_stats, call.seed, call.state_scales)
 
-    def sgd_step_(self, params, grads, master: Optional[Tensor], momentum_buf: Optional[Tensor], steps: Tensor,
-                  partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, momentum: float,
-                  dampening: float, weight_decay: float, nesterov: bool, max_norm: float, maximize: bool = False,
-                  seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None, **options) -> None:
-        """SGD; math and tensors in :func:`ampfused.ops.reference.sgd_step_`."""
-        if momentum != 0 and momentum_buf is None:
-            raise ValueError("momentum_buf is required when momentum != 0")
-        buf = momentum_buf if momentum != 0 else None
-        states = [("momentum_buf", buf)] if buf is not None else []
-        compact = _A.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
-                                seed, state_scales)
-        compact = tuple(compact) + _A.q8_args(state_scales)
-        head, tail, keep = self._step_head(params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
-        self._launch_sgd(head + [_N.ptr(buf)] + tail
-                         + [float(momentum), float(dampening), float(weight_decay), bool(nesterov),
-                            float(max_norm), bool(maximize)], steps, keep, compact, **options)
+    def _flat_slots(self, call: StepCall, states, fmt: tuple) -> dict:
+        """The slots of a flat-state step besides where its table is: its buffers, scalars and compact state."""
+        partials = _A.partials_arg(call.partials)
+        scales, blocks = _A.q8_args(call.state_scales)
+        return dict(master=_N.ptr(call.master), state1=_N.ptr(states[0][1]) if states else 0,
+                    state2=_N.ptr(states[1][1]) if len(states) > 1 else 0, steps=call.steps.data_ptr(),
+                    step_code=_N.SCALAR_CODES[call.steps.dtype], partials=partials.data_ptr(),
+                    num_partials=partials.shape[1], inv_scale=call.inv_scale.data_ptr(), lr=call.lr.data_ptr(),
+                    lr_code=_N.SCALAR_CODES[call.lr.dtype], out_stats=call.out_stats.data_ptr(), master_format=fmt[0],
+                    state_dtype=fmt[1], seed=fmt[2], state_scales=scales, scale_blocks=blocks, _keep=partials)
 
-    def _launch_sgd(self, args, steps: Tensor, keep, compact=(0, 0, 0, 0, 0), **options):
-        if options:
-            raise TypeError(f"the {self.name} backend takes no options, got {sorted(options)}")
-        self._mod().sgd_step(*args, *self._device_args(steps.device), *compact)
+    def _place_flat(self, call: StepCall, states) -> dict:
+        """Where the step's parameters and gradients are, as the module reads them, and where it runs: here the
+        tensor table as ints (``rows``), or a fused optimizer's host table by its address."""
+        if call.options:
+            raise TypeError(f"the {self.name} backend takes no options, got {sorted(call.options)}")
+        place = dict(threads=torch.get_num_threads())
+        if call.table is not None:
+            code = _N.DTYPE_CODES[call.dtype]
+            place.update(table=call.table[0], count=call.table[1], param_dtype=code, grad_dtype=code)
+            return place
+        params, grads = call.params, call.grads
+        rows, total = _A.step_table(params, grads, _A.layout_align(states[0][1] if states else None))
+        _A.check_state_sizes(self.name, [("master", call.master)] + list(states), total, call.steps.device)
+        place.update(count=len(params), param_dtype=_N.DTYPE_CODES[params[0].dtype] if params else 0,
+                     grad_dtype=_A.grad_code(grads), rows=(rows,))
+        return place
 
     # ---- the fused optimizers' own tables ---------------------------------------------------------
     # The optimizers' segments keep their tensor tables in host int64 buffers written by ampfused._host (each
@@ -179,79 +182,31 @@ class CpuBackend(Backend):
                                       partials.data_ptr(), chunks, False, torch.get_num_threads())
         return partials
 
-    def _table_head(self, table: tuple, dtype, master, steps, partials, inv_scale, lr, out_stats):
-        partials = _A.partials_arg(partials)
-        head = [table[0], table[1], _N.DTYPE_CODES[dtype], _N.DTYPE_CODES[dtype], _N.ptr(master)]
-        tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], partials.data_ptr(), partials.shape[1],
-                inv_scale.data_ptr(), lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr()]
-        return head, tail
+    # ---- a factored state: a table of its own (the state is not laid out like the parameters) -------------
+    def _factored_step(self, call: StepCall) -> None:
+        """A step whose state is factored (``native_factored``: its table, its rules), from the tensors."""
+        if call.table is not None or call.options:
+            raise TypeError(f"{call.spec.name} takes its tensors, without options, on the {self.name} backend")
+        params, grads = list(call.params), list(call.grads)
+        factors = call.states[call.spec.states[0].name]
+        fmt, seed = _AF.check(self.name, params, grads, call.master, factors, call.steps, call.partials,
+                              call.inv_scale, call.lr, call.out_stats, call.seed)
+        partials = _A.partials_arg(call.partials)  # (alive until the call below returns)
+        place = self._place_factored(params, grads, call.steps)
+        mod = self._mod()
+        pack = _A.packer(mod)
+        slots = pack.slots(place, dict(
+            count=len(params), param_dtype=_N.DTYPE_CODES[params[0].dtype] if params else 0,
+            grad_dtype=_A.grad_code(grads), master=_N.ptr(call.master), state1=factors.data_ptr(),
+            steps=call.steps.data_ptr(), step_code=_N.SCALAR_CODES[call.steps.dtype], partials=partials.data_ptr(),
+            num_partials=partials.shape[1], inv_scale=call.inv_scale.data_ptr(), lr=call.lr.data_ptr(),
+            lr_code=_N.SCALAR_CODES[call.lr.dtype], out_stats=call.out_stats.data_ptr(), master_format=fmt,
+            seed=seed))
+        mod.step(call.spec.name, slots, pack.hyper(call), *place.get("rows", ()))
 
-    def adam_step_table(self, table: tuple, dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
-                        out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize, seed=None,
-                        state_scales=None) -> None:
-        head, tail = self._table_head(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
-        self._mod().adam_step(*head, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), *tail, beta1, beta2, eps,
-                              weight_decay, max_norm, decoupled, maximize, torch.get_num_threads(),
-                              *_N.compact_args(dtype, master, exp_avg, seed), *_A.q8_args(state_scales))
-
-    def sgd_step_table(self, table: tuple, dtype, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
-                       momentum, dampening, weight_decay, nesterov, max_norm, maximize, seed=None,
-                       state_scales=None) -> None:
-        head, tail = self._table_head(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
-        buf = momentum_buf if momentum != 0 else None
-        self._mod().sgd_step(*head, _N.ptr(buf), *tail, momentum, dampening, weight_decay, nesterov, max_norm,
-                             maximize, torch.get_num_threads(), *_N.compact_args(dtype, master, buf, seed),
-                             *_A.q8_args(state_scales))
-
-    # ---- Lion -------------------------------------------------------------------------------------------
-    def lion_step_(self, params, grads, master: Optional[Tensor], exp_avg: Tensor, steps: Tensor, partials: Tensor,
-                   inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta1: float, beta2: float,
-                   weight_decay: float, max_norm: float, maximize: bool = False, seed: Optional[Tensor] = None,
-                   state_scales: Optional[Tensor] = None, **options) -> None:
-        """Lion; math and tensors in :func:`ampfused.ops.reference.lion_step_`."""
-        states = [("exp_avg", exp_avg)]
-        compact = _A.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
-                                seed, state_scales)
-        compact = tuple(compact) + _A.q8_args(state_scales)
-        head, tail, keep = self._step_head(params, grads, master, states, steps, partials, inv_scale, lr, out_stats)
-        self._launch_lion(head + [exp_avg.data_ptr()] + tail
-                          + [float(beta1), float(beta2), float(weight_decay), float(max_norm), bool(maximize)],
-                          steps, keep, compact, **options)
-
-    def _launch_lion(self, args, steps: Tensor, keep, compact=(0, 0, 0, 0, 0), **options):
-        if options:
-            raise TypeError(f"the {self.name} backend takes no options, got {sorted(options)}")
-        self._mod().lion_step(*args, *self._device_args(steps.device), *compact)
-
-    def lion_step_table(self, table: tuple, dtype, master, exp_avg, steps, partials, inv_scale, lr, out_stats,
-                        beta1, beta2, weight_decay, max_norm, maximize, seed=None, state_scales=None) -> None:
-        head, tail = self._table_head(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
-        self._mod().lion_step(*head, exp_avg.data_ptr(), *tail, beta1, beta2, weight_decay, max_norm, maximize,
-                              torch.get_num_threads(), *_N.compact_args(dtype, master, exp_avg, seed),
-                              *_A.q8_args(state_scales))
-
-    # ---- Adafactor: a table of its own (the factored state is not laid out like the parameters) ------------
-    def adafactor_step_(self, params, grads, master: Optional[Tensor], factors: Tensor, steps: Tensor,
-                        partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta2_decay: float,
-                        eps1: Optional[float], eps2: float, d: float, weight_decay: float, max_norm: float,
-                        maximize: bool = False, seed: Optional[Tensor] = None) -> None:
-        """Adafactor; math and tensors in :func:`ampfused.ops.reference_adafactor.adafactor_step_`."""
-        params, grads = list(params), list(grads)
-        fmt, seed_ptr = _AF.check(self.name, params, grads, master, factors, steps, partials, inv_scale, lr,
-                                  out_stats, seed)
-        table, extra = self._adafactor_table(params, grads, steps)
-        partials = _A.partials_arg(partials)
-        self._mod().adafactor_step(
-            table, len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0, _A.grad_code(grads),
-            _N.ptr(master), factors.data_ptr(), steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], partials.data_ptr(),
-            partials.shape[1], inv_scale.data_ptr(), lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr(),
-            float(beta2_decay), EPS1_DEFAULT if eps1 is None else float(eps1), float(eps2), float(d),
-            float(weight_decay), float(max_norm), bool(maximize), *self._device_args(steps.device), fmt, seed_ptr,
-            *extra)
-
-    def _adafactor_table(self, params, grads, steps: Tensor) -> tuple:
-        """The table argument of the Adafactor step and the arguments after its own: here its rows."""
-        return _AF.table(params, grads), ()
+    def _place_factored(self, params, grads, steps: Tensor) -> dict:
+        """Where a factored step's table is and where it runs: here its rows as ints."""
+        return dict(threads=torch.get_num_threads(), rows=(_AF.table(params, grads),))
 
 
 BACKEND = CpuBackend()

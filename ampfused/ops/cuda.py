@@ -45,8 +45,9 @@ from torch import Tensor
 
 from .. import _native, _work
 from . import checks
-from . import native_adafactor as _AF
+from . import native_factored as _AF
 from . import native_args as _A
+from .call import StepCall
 from .cpu import CpuBackend
 from .state_precision import QBLOCK as _QBLOCK
 
@@ -271,59 +272,70 @@ class CudaBackend(CpuBackend):
             work.captured = True
         return work
 
-    def _prepare_step(self, params, grads, master: Optional[Tensor], states, steps: Tensor, partials: Tensor,
-                      inv_scale: Tensor, lr: Tensor, out_stats: Tensor, single_launch: bool,
-                      seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None):
-        """Checks what the kernel relies on; returns the module's arguments before the state addresses, between
-        them and the hyperparameters, and after those, and the partials as the kernel reads them (a tensor that
-        must live until the launch is enqueued)."""
-        for name, x in (("params", params), ("grads", grads)):
-            if not isinstance(x, (list, tuple)):
-                raise TypeError(f"{name} must be a list (one entry per parameter) for the {self.name} backend, got "
-                                f"{type(x).__name__} (ampfused.ops accepts a single tensor and makes it a list)")
-        params, grads = list(params), list(grads)
-        if not isinstance(steps, Tensor) or steps.device.type != "cuda":
-            where = steps.device if isinstance(steps, Tensor) else type(steps).__name__
-            raise ValueError(f"steps must be on a CUDA device for the {self.name} backend, got {where}")
-        if len(grads) != len(params) or steps.dim() != 1 or steps.numel() != len(params) or not steps.is_contiguous():
-            raise ValueError(f"params, grads and steps must have one entry per parameter, got {len(params)} params, "
-                             f"{len(grads)} grads and steps of shape {tuple(steps.shape)}")
-        compact = _A.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
-                                seed, state_scales)
-        dev = steps.device
-        # (8-bit moments: parameters start at multiples of a block of codes, each block with a column of scales)
-        rows, total = _A.step_table(params, grads, _A.layout_align(next((s for _, s in states if s is not None), None)))
-        _A.check_state_sizes(self.name, [("master", master)] + list(states), total, dev)
-        if state_scales is not None and state_scales.shape[-1] != -(-total // _QBLOCK):
-            raise ValueError(f"state_scales must have {-(-total // _QBLOCK)} columns (one per block of {_QBLOCK} "
-                             f"elements of the flat buffers) for the {self.name} backend, got shape "
-                             f"{list(state_scales.shape)}")
-        _A.check_device("partials", partials, dev)
-        if partials.dtype != torch.float32 or partials.dim() != 2 or partials.shape[0] != 2:
-            raise ValueError(f"partials must be a float32 [2, P] tensor, got {partials.dtype} {tuple(partials.shape)}")
-        _A.check_device("out_stats", out_stats, dev)
-        if out_stats.dtype != torch.float32 or out_stats.numel() != 2 or not out_stats.is_contiguous():
-            raise ValueError(f"out_stats must be a contiguous float32 tensor of 2 elements, got {out_stats.dtype} "
-                             f"{tuple(out_stats.shape)}")
-        pcode = _N.DTYPE_CODES[params[0].dtype] if params else 0
-        gcode = _A.grad_code(grads)
+    def _check_flat(self, call: StepCall, states) -> tuple:
+        if call.table is None:
+            params, grads, steps = call.params, call.grads, call.steps
+            for name, x in (("params", params), ("grads", grads)):
+                if not isinstance(x, (list, tuple)):
+                    raise TypeError(f"{name} must be a list (one entry per parameter) for the {self.name} backend, "
+                                    f"got {type(x).__name__} (ampfused.ops accepts a single tensor and makes it a list)")
+            if not isinstance(steps, Tensor) or steps.device.type != "cuda":
+                where = steps.device if isinstance(steps, Tensor) else type(steps).__name__
+                raise ValueError(f"steps must be on a CUDA device for the {self.name} backend, got {where}")
+            if len(grads) != len(params) or steps.dim() != 1 or steps.numel() != len(params) \
+                    or not steps.is_contiguous():
+                raise ValueError(f"params, grads and steps must have one entry per parameter, got {len(params)} "
+                                 f"params, {len(grads)} grads and steps of shape {tuple(steps.shape)}")
+        return super()._check_flat(call, states)
 
-        def check():
-            checks.step_inputs(params, grads, master, states, steps, partials, inv_scale, lr, out_stats, seed,
-                               state_scales)
+    def _place_flat(self, call: StepCall, states) -> dict:
+        """The step's device work (its tensor table and work lists, cached per call site: ``_Work``), where it
+        runs, and ``single_launch`` (the one option: K1 over the gradients fused into the step, writing
+        ``partials``)."""
+        options = dict(call.options)
+        single = bool(options.pop("single_launch", False))
+        if options:
+            raise TypeError(f"the {self.name} backend's step takes single_launch only, got {sorted(options)}")
+        steps, partials, dev = call.steps, call.partials, call.steps.device
+        if call.table is not None:
+            code = _N.DTYPE_CODES[call.dtype]
+            table = call.table
+            work = self._table_work(table[2], code, dev, table[3] if len(table) > 3 else None, table[0])
+            count, pcode, gcode = table[1], code, code
+            single = False
+        else:
+            params, grads, master, state_scales = list(call.params), list(call.grads), call.master, call.state_scales
+            # (8-bit moments: parameters start at multiples of a block of codes, each block with a column of scales)
+            rows, total = _A.step_table(params, grads, _A.layout_align(states[0][1] if states else None))
+            _A.check_state_sizes(self.name, [("master", master)] + list(states), total, dev)
+            if state_scales is not None and state_scales.shape[-1] != -(-total // _QBLOCK):
+                raise ValueError(f"state_scales must have {-(-total // _QBLOCK)} columns (one per block of {_QBLOCK} "
+                                 f"elements of the flat buffers) for the {self.name} backend, got shape "
+                                 f"{list(state_scales.shape)}")
+            _A.check_device("partials", partials, dev)
+            if partials.dtype != torch.float32 or partials.dim() != 2 or partials.shape[0] != 2:
+                raise ValueError(f"partials must be a float32 [2, P] tensor, got {partials.dtype} "
+                                 f"{tuple(partials.shape)}")
+            _A.check_device("out_stats", call.out_stats, dev)
+            out_stats = call.out_stats
+            if out_stats.dtype != torch.float32 or out_stats.numel() != 2 or not out_stats.is_contiguous():
+                raise ValueError(f"out_stats must be a contiguous float32 tensor of 2 elements, got {out_stats.dtype} "
+                                 f"{tuple(out_stats.shape)}")
+            count, pcode, gcode = len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0, _A.grad_code(grads)
 
-        work = self._work(rows, (pcode, gcode), steps, check)
-        if single_launch and (tuple(partials.shape) != (2, work.num_columns) or not partials.is_contiguous()):
-            raise ValueError(f"partials must be a contiguous [2, {work.num_columns}] tensor with single_launch=True "
-                             "(the kernel writes the partials of the step's gradients into it, as norm_check "
-                             f"would), got shape {tuple(partials.shape)}, stride {partials.stride()}")
-        part = _A.partials_arg(partials)
-        head = [work.table, len(params), pcode, gcode, _N.ptr(master)]
-        tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], part.data_ptr(), part.shape[1], inv_scale.data_ptr(),
-                lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr()]
-        launch = [*self._device_args(dev), work.chunks, work.num_chunks, work.columns, work.num_columns,
-                  _counter(steps), bool(single_launch), *compact, *_A.q8_args(state_scales)]
-        return head, tail, launch, part
+            def check():
+                checks.step_inputs(params, grads, master, states, steps, partials, call.inv_scale, call.lr, out_stats,
+                                   call.seed, state_scales)
+
+            work = self._work(rows, (pcode, gcode), steps, check)
+            if single and (tuple(partials.shape) != (2, work.num_columns) or not partials.is_contiguous()):
+                raise ValueError(f"partials must be a contiguous [2, {work.num_columns}] tensor with single_launch=True "
+                                 "(the kernel writes the partials of the step's gradients into it, as norm_check "
+                                 f"would), got shape {tuple(partials.shape)}, stride {partials.stride()}")
+        device, stream = self._device_args(dev)
+        return dict(table=work.table, count=count, param_dtype=pcode, grad_dtype=gcode, device=device, stream=stream,
+                    chunks=work.chunks, num_chunks=work.num_chunks, columns=work.columns,
+                    num_columns=work.num_columns, counter=_counter(steps), single_launch=single)
 
     # ---- the fused optimizers' own tables (see cpu.py): the same kernels and cached device work -------
     def norm_check_tables(self, segments, chunks: int, inv_scale: Tensor) -> Tensor:
@@ -342,80 +354,9 @@ class CudaBackend(CpuBackend):
             first += w.num_columns
         return partials
 
-    def _table_step(self, table: tuple, dtype, master, steps, partials, inv_scale, lr, out_stats):
-        """What :meth:`_prepare_step` returns, from a segment's table (checked by ampfused._host) instead of
-        the tensors: the device work is the cached one while the table's rows stay the same."""
-        code = _N.DTYPE_CODES[dtype]
-        work = self._table_work(table[2], code, steps.device, table[3] if len(table) > 3 else None, table[0])
-        part = _A.partials_arg(partials)
-        head = [work.table, table[1], code, code, _N.ptr(master)]
-        tail = [steps.data_ptr(), _N.SCALAR_CODES[steps.dtype], part.data_ptr(), part.shape[1], inv_scale.data_ptr(),
-                lr.data_ptr(), _N.SCALAR_CODES[lr.dtype], out_stats.data_ptr()]
-        launch = [*self._device_args(steps.device), work.chunks, work.num_chunks, work.columns, work.num_columns,
-                  _counter(steps), False, 0, 0, 0, 0, 0]
-        return head, tail, launch, part
-
-    def adam_step_table(self, table: tuple, dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
-                        out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize, seed=None,
-                        state_scales=None) -> None:
-        head, tail, launch, _part = self._table_step(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
-        launch[-5:] = _N.compact_args(dtype, master, exp_avg, seed) + _A.q8_args(state_scales)
-        self._mod().adam_step(*head, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), *tail, beta1, beta2, eps, weight_decay,
-                              max_norm, decoupled, maximize, *launch)
-
-    def sgd_step_table(self, table: tuple, dtype, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
-                       momentum, dampening, weight_decay, nesterov, max_norm, maximize, seed=None,
-                       state_scales=None) -> None:
-        head, tail, launch, _part = self._table_step(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
-        buf = momentum_buf if momentum != 0 else None
-        launch[-5:] = _N.compact_args(dtype, master, buf, seed) + _A.q8_args(state_scales)
-        self._mod().sgd_step(*head, _N.ptr(buf), *tail, momentum, dampening, weight_decay, nesterov, max_norm,
-                             maximize, *launch)
-
-    def adam_step_(self, params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
-                   beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize=False, seed=None, *,
-                   state_scales: Optional[Tensor] = None, single_launch: bool = False) -> None:
-        """Adam/AdamW step; ``single_launch=True`` fuses K1 over the gradients (writing ``partials``) into it."""
-        states = [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
-        head, tail, launch, _part = self._prepare_step(params, grads, master, states, steps, partials, inv_scale,
-                                                       lr, out_stats, single_launch, seed, state_scales)
-        self._mod().adam_step(*head, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), *tail, float(beta1), float(beta2),
-                              float(eps), float(weight_decay), float(max_norm), bool(decoupled), bool(maximize),
-                              *launch)
-
-    def sgd_step_(self, params, grads, master, momentum_buf, steps, partials, inv_scale, lr, out_stats, momentum,
-                  dampening, weight_decay, nesterov, max_norm, maximize=False, seed=None, *,
-                  state_scales: Optional[Tensor] = None, single_launch: bool = False) -> None:
-        """SGD step; ``single_launch=True`` fuses K1 over the gradients (writing ``partials``) into it."""
-        if momentum != 0 and momentum_buf is None:
-            raise ValueError("momentum_buf is required when momentum != 0")
-        buf = momentum_buf if momentum != 0 else None
-        states = [("momentum_buf", buf)] if buf is not None else []
-        head, tail, launch, _part = self._prepare_step(params, grads, master, states, steps, partials, inv_scale,
-                                                       lr, out_stats, single_launch, seed, state_scales)
-        self._mod().sgd_step(*head, _N.ptr(buf), *tail, float(momentum), float(dampening), float(weight_decay),
-                             bool(nesterov), float(max_norm), bool(maximize), *launch)
-
-    # ---- Lion -------------------------------------------------------------------------------------------
-    def lion_step_table(self, table: tuple, dtype, master, exp_avg, steps, partials, inv_scale, lr, out_stats, beta1,
-                        beta2, weight_decay, max_norm, maximize, seed=None, state_scales=None) -> None:
-        head, tail, launch, _part = self._table_step(table, dtype, master, steps, partials, inv_scale, lr, out_stats)
-        launch[-5:] = _N.compact_args(dtype, master, exp_avg, seed) + _A.q8_args(state_scales)
-        self._mod().lion_step(*head, exp_avg.data_ptr(), *tail, beta1, beta2, weight_decay, max_norm, maximize,
-                              *launch)
-
-    def lion_step_(self, params, grads, master, exp_avg, steps, partials, inv_scale, lr, out_stats, beta1, beta2,
-                   weight_decay, max_norm, maximize=False, seed=None, *, state_scales: Optional[Tensor] = None,
-                   single_launch: bool = False) -> None:
-        """Lion step; ``single_launch=True`` fuses K1 over the gradients (writing ``partials``) into it."""
-        head, tail, launch, _part = self._prepare_step(params, grads, master, [("exp_avg", exp_avg)], steps, partials,
-                                                       inv_scale, lr, out_stats, single_launch, seed, state_scales)
-        self._mod().lion_step(*head, exp_avg.data_ptr(), *tail, float(beta1), float(beta2), float(weight_decay),
-                              float(max_norm), bool(maximize), *launch)
-
-    # ---- Adafactor ---------------------------------------------------------------------------------------
-    def _adafactor_table(self, params, grads, steps: Tensor) -> tuple:
-        """The Adafactor table and its tiles uploaded to the device once per call site (its step tensor),
+    # ---- a factored state (see cpu.py) ---------------------------------------------------------------------
+    def _place_factored(self, params, grads, steps: Tensor) -> dict:
+        """The factored step's table and its tiles uploaded to the device once per call site (its step tensor),
         asynchronously from page-locked memory, and reused while the table holds the same ints; the step is one
         cooperative launch over every tile (csrc/cuda/adafactor.cu)."""
         rows = _AF.table(params, grads)
@@ -432,8 +373,10 @@ class CudaBackend(CpuBackend):
             work.upload(rows, steps.device)
         if _capturing(index):
             _kept_for_graphs.extend((work.table, work.scratch))  # the tensors the graph reads, not what holds them
-        return work.table.data_ptr(), (work.num_tiles, work.num_items, work.num_colparts, work.scratch.data_ptr(),
-                                       _AF.AF_COL_CHUNK)
+        device, stream = self._device_args(steps.device)
+        return dict(table=work.table.data_ptr(), device=device, stream=stream, tiles=work.num_tiles,
+                    items=work.num_items, colparts=work.num_colparts, scratch=work.scratch.data_ptr(),
+                    col_chunk=_AF.AF_COL_CHUNK)
 
 
 BACKEND = CudaBackend()

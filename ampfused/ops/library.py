@@ -15,6 +15,7 @@ from typing import Dict
 
 import torch
 
+from .call import StepCall
 from .registry import get_backend
 from .specs import SPECS, OpSpec
 
@@ -35,6 +36,8 @@ def _kernel(spec: OpSpec):
         # those after the backend (the compact state's) go by name and only when given: a backend written
         # before them keeps its signature
         kw = {n: a for n, a in zip(after, args[b + 1:]) if a is not None}
+        if spec.is_step:
+            return get_backend(args[b]).step(StepCall.of_op(spec, args[:b], kw))
         return getattr(get_backend(args[b]), spec.name)(*args[:b], **kw)
 
     kernel.__name__ = kernel.__qualname__ = spec.name

@@ -163,3 +163,44 @@ def check_grads(grads, inv_scale: Tensor, backend: str) -> None:
 def partials_arg(partials: Tensor) -> Tensor:
     """The partials as the kernels read them: row-major [2, P] contiguous (a copy only if needed)."""
     return partials if partials.is_contiguous() else partials.contiguous()
+
+
+class Packer:
+    """Packs step calls for one native module: the slots by the names the module exports (``STEP_SLOTS``, in
+    ``csrc/include/ampfused/step_pack.h``'s order), the hyperparameters by name in the order the op's entry reads
+    them (``step_ops()``)."""
+
+    def __init__(self, mod):
+        self.mod = mod
+        self.index = {name: i for i, name in enumerate(mod.STEP_SLOTS)}
+        self.size = len(self.index)
+        self.hypers = {op: tuple(names) for op, names in mod.step_ops().items()}
+
+    def slots(self, *parts: dict) -> List[int]:
+        """One int per slot from ``parts`` (dicts of slot values; ``rows`` and names starting with ``_``, the
+        caller's, are left out); a slot none of them sets is 0."""
+        out = [0] * self.size
+        index = self.index
+        for part in parts:
+            for name, value in part.items():
+                if name != "rows" and name[0] != "_":
+                    out[index[name]] = int(value)
+        return out
+
+    def hyper(self, call) -> List[float]:
+        names = self.hypers.get(call.spec.name)
+        if names is None:
+            raise RuntimeError(f"this build of ampfused's native module has no {call.spec.name} entry (it has "
+                               f"{sorted(self.hypers)}): rebuild it (pip install -e .)")
+        return call.hyper_values(names)
+
+
+_packers: dict = {}
+
+
+def packer(mod) -> Packer:
+    """The module's packer (made once per module)."""
+    p = _packers.get(id(mod))
+    if p is None or p.mod is not mod:
+        p = _packers[id(mod)] = Packer(mod)
+    return p

@@ -36,7 +36,7 @@ def generation() -> int:
 class Backend:
     """Base class. Subclasses set the attributes and implement the ops of ``reference``."""
 
-    takes_tables = False  # the fused optimizers' table entries (norm_check_tables, adam/sgd_step_table), see cpu.py
+    takes_tables = False  # the fused optimizers' tables: norm_check_tables and steps from a table, see cpu.py
 
     name: str = ""
     devices: tuple = ()
@@ -46,6 +46,35 @@ class Backend:
     def unavailable_reason(self) -> Optional[str]:
         """Why this backend cannot run at all on this machine (missing build, missing package), or None."""
         return None
+
+    def step(self, call) -> None:
+        """The step op of ``call`` (:class:`ampfused.ops.call.StepCall`): the one entry of every step. This default
+        calls the method its class defines under the op's name with the op's arguments (a backend written as
+        functions, in the reference's signatures)."""
+        if call.table is not None:
+            raise TypeError(f"the {self.name} backend does not take the fused optimizers' tables")
+        if not self.has_step(call.spec.name):
+            raise NotImplementedError(f"the {self.name} backend has no {call.spec.name}")
+        object.__getattribute__(self, call.spec.name)(*call.op_args(), **call.compact_kwargs(), **call.options)
+
+    def has_step(self, op: str) -> bool:
+        """Whether this backend runs step op ``op`` (a name in ``specs.SPECS``)."""
+        return callable(getattr(type(self), op, None))
+
+    def __getattr__(self, name: str):
+        """A step op by its name (``backend.adam_step_(params, grads, ...)``, the reference's signature, options
+        by name): its call through :meth:`step`."""
+        from .specs import SPECS
+        spec = SPECS.get(name)
+        if spec is None or not spec.is_step or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        from .call import StepCall
+
+        def op(*args, **kw):
+            self.step(StepCall.of_op(spec, args, kw))
+
+        op.__name__ = name
+        return op
 
     def not_supported_reasons(self, device: torch.device, dtypes: Iterable[torch.dtype] = ()) -> List[str]:
         reasons = []

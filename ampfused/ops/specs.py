@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple, Union
 
+from .reference_adafactor import EPS1_DEFAULT
 from .registry import get_backend
 
 
@@ -27,18 +28,23 @@ class Arg:
 
 @dataclass(frozen=True)
 class Hyper:
-    """A scalar hyperparameter; ``default`` is the public function's default, never written into the schema."""
+    """A scalar hyperparameter; ``default`` is the public function's default, never written into the schema;
+    ``none``: the value the kernels get for ``None`` (an optional hyperparameter's default, resolved)."""
     name: str
     type: str
     default: object = None
+    none: Optional[float] = None
     writes = False
 
 
 @dataclass(frozen=True)
 class State:
-    """An optimizer state buffer of a step op (flat, written in place); ``optional``: may be ``None``."""
+    """An optimizer state buffer of a step op (flat, written in place); ``optional``: may be ``None``;
+    ``needed_if``: a hyperparameter without which the step never reads it (it is then ignored, and required
+    when that hyperparameter is not 0)."""
     name: str
     optional: bool = False
+    needed_if: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,9 @@ class OpSpec:
     fake: Optional[Callable] = None  # called with the op's arguments in schema order; None: returns nothing
     states: Tuple[State, ...] = ()
     hyper: Dict[str, object] = field(default_factory=dict)
+    hypers: Tuple[Hyper, ...] = ()
+    doc: str = ""  # a step op's public function (ampfused.ops.<name>), made from this record, documented so
+    layout: str = "flat"  # a step's state layout: "flat" (state_layout of the numels) or "factored" (its own)
 
     def __post_init__(self):
         names = [a.name for a in self.args]
@@ -69,6 +78,11 @@ class OpSpec:
     @property
     def is_step(self) -> bool:
         return bool(self.states)
+
+    @property
+    def kernel(self) -> str:
+        """The step's kernel module (``triton_kernels/<kernel>.py``): the op's name without ``_step_``."""
+        return self.name[:-len("_step_")] if self.name.endswith("_step_") else self.name
 
     def defaults(self) -> Dict[str, None]:
         """Schema defaults: ``None`` for each optional argument at the end that the op does not write."""
@@ -107,7 +121,8 @@ MAX_NORM = Hyper("max_norm", "float", default=math.inf)
 MAXIMIZE = Hyper("maximize", "bool", default=False)
 
 
-def step_op(name: str, states: Tuple[State, ...], hyper: Tuple[Hyper, ...], *, state_scales: bool = True) -> OpSpec:
+def step_op(name: str, states: Tuple[State, ...], hyper: Tuple[Hyper, ...], *, state_scales: bool = True,
+            layout: str = "flat", doc: str = "") -> OpSpec:
     """A step op: the parameters, their gradients and master, ``states``, the step counts and what K1 left,
     ``hyper``, the backend; then the compact state's arguments (``state_scales``: takes 8-bit block scales)."""
     args = (Arg("params", "Tensor[]", True), Arg("grads", "Tensor?[]"), Arg("master", "Tensor?", True),
@@ -115,8 +130,31 @@ def step_op(name: str, states: Tuple[State, ...], hyper: Tuple[Hyper, ...], *, s
             Arg("steps", "Tensor", True), Arg("partials", "Tensor"), Arg("inv_scale", "Tensor"),
             Arg("lr", "Tensor"), Arg("out_stats", "Tensor", True), *hyper, Arg("backend", "str"),
             Arg("seed", "Tensor?"), *((Arg("state_scales", "Tensor?", True),) if state_scales else ()))
-    return OpSpec(name, args, probe="steps", states=tuple(states), hyper={h.name: h.default for h in hyper})
+    return OpSpec(name, args, probe="steps", states=tuple(states), hyper={h.name: h.default for h in hyper},
+                  hypers=tuple(hyper), layout=layout, doc=doc)
 
+
+# the public functions' documentation (ampfused.ops.adam_step_, ...)
+ADAM_DOC = """Fused Adam/AdamW step (K2) over parameters where they live and flat optimizer state.
+
+    params: list of T dense tensors (one dtype, fp32/bf16/fp16; any memory layout), updated in place;
+    grads: T entries, ``None`` for a parameter to leave alone this step, else a tensor with its parameter's
+    shape and layout (one dtype for all); master (fp32, or ``None`` for fp32 params), exp_avg, exp_avg_sq:
+    1-D flat buffers of ``state_layout([p.numel() for p in params])[1]`` elements; steps: ``[T]`` fp32 step
+    counts; partials ``[2, P]`` from :func:`norm_check`; inv_scale, lr: 0-d fp32; out_stats: ``[2]`` fp32.
+    A single flat parameter may be passed as a tensor (with its gradient as a tensor and a 0-d step).
+    Math: :func:`reference.adam_step_`. Compact state (``docs/state-precision.md``): ``master`` int16 (master
+    remainders of bf16 params), ``master=None`` with bf16 params (stochastic rounding), bf16 moments, uint8
+    moments (8-bit codes; the flat buffers laid out by ``state_layout(numels, QBLOCK)``, ``state_scales`` the
+    ``[2, blocks]`` fp32 block scales); ``seed`` (0-d int64) keys the stochastic rounding and is required by all
+    but the remainders.
+    """
+
+SGD_DOC = """Fused SGD step; tensors as :func:`adam_step_` (``momentum_buf`` a flat buffer, needed when
+    ``momentum != 0``; uint8 with ``state_scales`` ``[1, blocks]``); math in :func:`reference.sgd_step_`."""
+
+LION_DOC = """Fused Lion step; tensors as :func:`adam_step_` with one moment (``exp_avg``: fp32, bf16, or uint8 with
+    ``state_scales`` ``[1, blocks]``); math in :func:`reference.lion_step_`."""
 
 SPECS: Dict[str, OpSpec] = {s.name: s for s in (
     _k1("norm_check", writes=False),
@@ -128,14 +166,15 @@ SPECS: Dict[str, OpSpec] = {s.name: s for s in (
         probe="scale"),
     step_op("adam_step_", (State("exp_avg"), State("exp_avg_sq")), (
         Hyper("beta1", "float", 0.9), Hyper("beta2", "float", 0.999), Hyper("eps", "float", 1e-8),
-        Hyper("weight_decay", "float", 0.0), MAX_NORM, Hyper("decoupled", "bool", False), MAXIMIZE)),
-    step_op("sgd_step_", (State("momentum_buf", optional=True),), (
+        Hyper("weight_decay", "float", 0.0), MAX_NORM, Hyper("decoupled", "bool", False), MAXIMIZE), doc=ADAM_DOC),
+    step_op("sgd_step_", (State("momentum_buf", optional=True, needed_if="momentum"),), (
         Hyper("momentum", "float", 0.0), Hyper("dampening", "float", 0.0), Hyper("weight_decay", "float", 0.0),
-        Hyper("nesterov", "bool", False), MAX_NORM, MAXIMIZE)),
+        Hyper("nesterov", "bool", False), MAX_NORM, MAXIMIZE), doc=SGD_DOC),
     step_op("lion_step_", (State("exp_avg"),), (
         Hyper("beta1", "float", 0.9), Hyper("beta2", "float", 0.99), Hyper("weight_decay", "float", 0.0),
-        MAX_NORM, MAXIMIZE)),
+        MAX_NORM, MAXIMIZE), doc=LION_DOC),
     step_op("adafactor_step_", (State("factors"),), (
-        Hyper("beta2_decay", "float", -0.8), Hyper("eps1", "float?", None), Hyper("eps2", "float", 1e-3),
-        Hyper("d", "float", 1.0), Hyper("weight_decay", "float", 0.0), MAX_NORM, MAXIMIZE), state_scales=False),
+        Hyper("beta2_decay", "float", -0.8), Hyper("eps1", "float?", None, none=EPS1_DEFAULT),
+        Hyper("eps2", "float", 1e-3), Hyper("d", "float", 1.0), Hyper("weight_decay", "float", 0.0), MAX_NORM,
+        MAXIMIZE), state_scales=False, layout="factored"),
 )}

@@ -31,11 +31,12 @@ import torch
 from torch import Tensor
 
 from .. import _native, _work
-from . import native_adafactor as _AF
+from . import native_factored as _AF
 from . import native_args as _A
+from . import specs
+from .call import StepCall
 from .checks import is_dense
 from .reference import STATE_ALIGN
-from .reference_adafactor import EPS1_DEFAULT
 from .registry import Backend
 
 try:
@@ -216,19 +217,6 @@ class TritonBackend(Backend):
         _kernels("update_scale").update_scale_(scale, growth_tracker, found_inf, growth_factor,
                                                backoff_factor, growth_interval, inv_scale, skipped)
 
-    def adam_step_(self, params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
-                   beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize=False, seed=None,
-                   state_scales=None) -> None:
-        """Adam/AdamW over lists of parameters and gradients; see :func:`ampfused.ops.reference.adam_step_`."""
-        params, grads = list(params), list(grads)
-        _A.check_step(self.name, params, grads, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
-                           steps, partials, inv_scale, lr, out_stats, seed, state_scales)
-        k = _kernels("adam")
-        plan = self._step_plan(params, grads, steps, k.CHUNK, _A.layout_align(exp_avg))
-        k.adam_step_(plan, len(params), *self._step_dtypes(params, grads), master, exp_avg, exp_avg_sq, steps,
-                     partials, inv_scale, lr, out_stats, self._counter(steps.device), beta1, beta2, eps,
-                     weight_decay, max_norm, decoupled, maximize, seed, state_scales)
-
     # ---- the fused optimizers' own tables (see cpu.py): the same kernels and cached plans ----------------
     takes_tables = True
     table_chunk = 1  # K1's columns here come from num_partials of the gradients' sizes
@@ -267,67 +255,52 @@ class TritonBackend(Backend):
             "the parameters and gradients of a step", tuple(table[3]) if len(table) > 3 else None,
             lambda old: _retable(old, array, 2, (0, 1), device))
 
-    def adam_step_table(self, table: tuple, dtype, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr,
-                        out_stats, beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize, seed=None,
-                        state_scales=None) -> None:
-        k = _kernels("adam")
-        k.adam_step_(self._table_plan(table, steps, k.CHUNK), table[1], dtype, dtype, master, exp_avg, exp_avg_sq,
-                     steps, partials, inv_scale, lr, out_stats, self._counter(steps.device), beta1, beta2, eps,
-                     weight_decay, max_norm, decoupled, maximize, seed, state_scales)
+    # ---- the step: one entry for every step op ----------------------------------------------------------
+    def step(self, call: StepCall) -> None:
+        """The step op of ``call``: the launcher of its kernel module (``triton_kernels/<kernel>.py``, one function
+        named as the op: the plan and sizes, the master, the states in the record's order, the step tensors, the
+        block counter, the hyperparameters in the record's order, the compact state's), over the plan of its
+        tensors (cached per call site) or of a fused optimizer's table."""
+        if call.options:
+            raise TypeError(f"the {self.name} backend takes no options, got {sorted(call.options)}")
+        spec = call.spec
+        if spec.layout == "factored":
+            self._factored_step(call)
+            return
+        states = call.used_states()
+        given = [(n, t) for n, t in states if t is not None]
+        k = _kernels(spec.kernel)
+        if call.table is None:
+            params, grads = list(call.params), list(call.grads)
+            _A.check_step(self.name, params, grads, call.master, given, call.steps, call.partials, call.inv_scale,
+                          call.lr, call.out_stats, call.seed, call.state_scales)
+            plan = self._step_plan(params, grads, call.steps, k.CHUNK, _A.layout_align(given[0][1] if given else None))
+            count, dtypes = len(params), self._step_dtypes(params, grads)
+        else:
+            plan, count, dtypes = self._table_plan(call.table, call.steps, k.CHUNK), call.table[1], (call.dtype,) * 2
+        getattr(k, spec.name)(plan, count, *dtypes, call.master, *(t for _, t in states), call.steps, call.partials,
+                              call.inv_scale, call.lr, call.out_stats, self._counter(call.steps.device),
+                              *call.hyper_args(), call.seed, call.state_scales)
 
-    def sgd_step_table(self, table: tuple, dtype, master, momentum_buf, steps, partials, inv_scale, lr, out_stats,
-                       momentum, dampening, weight_decay, nesterov, max_norm, maximize, seed=None,
-                       state_scales=None) -> None:
-        k = _kernels("sgd")
-        buf = momentum_buf if momentum != 0 else None
-        k.sgd_step_(self._table_plan(table, steps, k.CHUNK), table[1], dtype, dtype, master, buf, steps, partials,
-                    inv_scale, lr, out_stats, self._counter(steps.device), momentum, dampening, weight_decay,
-                    nesterov, max_norm, maximize, seed, state_scales)
+    def has_step(self, op: str) -> bool:
+        spec = specs.SPECS.get(op)
+        if spec is None or not spec.is_step:
+            return False
+        try:
+            return hasattr(_kernels(spec.kernel), op)
+        except ImportError:
+            return False
 
-    def sgd_step_(self, params, grads, master, momentum_buf, steps, partials, inv_scale, lr, out_stats, momentum,
-                  dampening, weight_decay, nesterov, max_norm, maximize=False, seed=None, state_scales=None) -> None:
-        """SGD over lists of parameters and gradients; see :func:`ampfused.ops.reference.sgd_step_`."""
-        params, grads = list(params), list(grads)
-        if momentum != 0 and momentum_buf is None:
-            raise ValueError("momentum_buf is required when momentum != 0")
-        buf = momentum_buf if momentum != 0 else None
-        states = [("momentum_buf", buf)] if buf is not None else []
-        _A.check_step(self.name, params, grads, master, states, steps, partials, inv_scale, lr, out_stats,
-                           seed, state_scales)
-        k = _kernels("sgd")
-        plan = self._step_plan(params, grads, steps, k.CHUNK, _A.layout_align(buf))
-        k.sgd_step_(plan, len(params), *self._step_dtypes(params, grads), master, buf, steps, partials, inv_scale,
-                    lr, out_stats, self._counter(steps.device), momentum, dampening, weight_decay, nesterov,
-                    max_norm, maximize, seed, state_scales)
-
-    # ---- Lion -------------------------------------------------------------------------------------------
-    def lion_step_(self, params, grads, master, exp_avg, steps, partials, inv_scale, lr, out_stats, beta1, beta2,
-                   weight_decay, max_norm, maximize=False, seed=None, state_scales=None) -> None:
-        """Lion over lists of parameters and gradients; see :func:`ampfused.ops.reference.lion_step_`."""
-        params, grads = list(params), list(grads)
-        _A.check_step(self.name, params, grads, master, [("exp_avg", exp_avg)], steps, partials, inv_scale, lr,
-                           out_stats, seed, state_scales)
-        k = _kernels("lion")
-        plan = self._step_plan(params, grads, steps, k.CHUNK, _A.layout_align(exp_avg))
-        k.lion_step_(plan, len(params), *self._step_dtypes(params, grads), master, exp_avg, steps, partials,
-                     inv_scale, lr, out_stats, self._counter(steps.device), beta1, beta2, weight_decay, max_norm,
-                     maximize, seed, state_scales)
-
-    def lion_step_table(self, table: tuple, dtype, master, exp_avg, steps, partials, inv_scale, lr, out_stats,
-                        beta1, beta2, weight_decay, max_norm, maximize, seed=None, state_scales=None) -> None:
-        k = _kernels("lion")
-        k.lion_step_(self._table_plan(table, steps, k.CHUNK), table[1], dtype, dtype, master, exp_avg, steps,
-                     partials, inv_scale, lr, out_stats, self._counter(steps.device), beta1, beta2, weight_decay,
-                     max_norm, maximize, seed, state_scales)
-
-    # ---- Adafactor: a table of its own (the factored state is not laid out like the parameters) ------------
-    def adafactor_step_(self, params, grads, master, factors, steps, partials, inv_scale, lr, out_stats, beta2_decay,
-                        eps1, eps2, d, weight_decay, max_norm, maximize=False, seed=None) -> None:
-        """Adafactor: one launch, one program per parameter (``triton_kernels/adafactor.py``), its table
-        (``native_adafactor.table``) uploaded once per call site and reused while the tensors stay the same; math
-        in :func:`ampfused.ops.reference_adafactor.adafactor_step_`."""
-        params, grads = list(params), list(grads)
-        _AF.check(self.name, params, grads, master, factors, steps, partials, inv_scale, lr, out_stats, seed)
+    # ---- a factored state: a table of its own (the state is not laid out like the parameters) -------------
+    def _factored_step(self, call: StepCall) -> None:
+        """A factored step: one launch, one program per parameter (``triton_kernels/<kernel>.py``), its table
+        (``native_factored.table``) uploaded once per call site and reused while the tensors stay the same."""
+        if call.table is not None:
+            raise TypeError(f"{call.spec.name} takes its tensors on the {self.name} backend")
+        params, grads, master, steps, seed = list(call.params), list(call.grads), call.master, call.steps, call.seed
+        factors = call.states[call.spec.states[0].name]
+        _AF.check(self.name, params, grads, master, factors, steps, call.partials, call.inv_scale, call.lr,
+                  call.out_stats, seed)
         rows = _AF.table(params, grads)
         device = steps.device
 
@@ -336,14 +309,13 @@ class TritonBackend(Backend):
             view[:len(rows)] = rows
             return _work.upload(host, device), host
 
-        table, _ = self.step_tables.get((device, steps.data_ptr(), "adafactor"), rows, build, _capturing(device),
-                                        "the parameters and gradients of an Adafactor step")
+        table, _ = self.step_tables.get((device, steps.data_ptr(), call.spec.kernel), rows, build,
+                                        _capturing(device), "the parameters and gradients of a factored step")
         pdtype, gdtype = self._step_dtypes(params, grads)
         fmt = _kernels("_compact").launch_format(pdtype, master, None, seed)
-        _kernels("adafactor").adafactor_step_(
-            table, len(params), pdtype, gdtype, fmt, master, factors, steps, _A.partials_arg(partials), inv_scale,
-            lr, out_stats, beta2_decay, EPS1_DEFAULT if eps1 is None else eps1, eps2, d, weight_decay, max_norm,
-            maximize, seed)
+        getattr(_kernels(call.spec.kernel), call.spec.name)(
+            table, len(params), pdtype, gdtype, fmt, master, factors, steps, _A.partials_arg(call.partials),
+            call.inv_scale, call.lr, call.out_stats, *call.hyper_args(), seed)
 
 
 BACKEND = TritonBackend()

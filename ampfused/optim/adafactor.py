@@ -13,6 +13,7 @@ from . import _params as P
 from . import _precision
 from ._adafactor_state import AdafactorSegment, import_state_dict
 from ._base import FusedOptimizer
+from ._step_op import StepOp
 
 
 def _check(lr, beta2_decay, eps, d, weight_decay, where: str = "") -> None:
@@ -71,10 +72,11 @@ def shard_dim(p) -> Optional[int]:
     return dims.pop() if dims else None
 
 
-class AdafactorMath:
+class AdafactorMath(StepOp):
     """What makes an optimizer Adafactor: torch.optim.Adafactor's arguments and rules, the step op, and its state
     (``row_var``/``col_var`` or ``variance``, one flat ``factors`` buffer per segment)."""
 
+    step_op = "adafactor_step_"
     state_names = ("row_var", "col_var", "variance")
     segment_class = AdafactorSegment
     # what torch.optim.Adafactor.__setstate__ gives a group key that a loaded (older) state dict lacks
@@ -96,17 +98,18 @@ class AdafactorMath:
     def _scan(self):
         return None  # no backend takes Adafactor's tables yet: the Python path (one op per segment)
 
-    def _step_op(self, seg, params, grads, group, partials, inv_scale, lr, max_norm, backend: str) -> None:
+    def _op_hyper(self, group: dict) -> dict:
         eps1, eps2 = group["eps"]
+        return dict(beta2_decay=float(group["beta2_decay"]), eps1=None if eps1 is None else float(eps1),
+                    eps2=float(eps2), d=float(group["d"]), weight_decay=float(group["weight_decay"]),
+                    maximize=bool(group["maximize"]))
+
+    def _step_op(self, seg, params, grads, group, partials, inv_scale, lr, max_norm, backend: str) -> None:
         if seg.sharded:
             self._sharded_step(seg, params, grads, group, partials, inv_scale, lr, max_norm)
             return
         backend = ops.adafactor.pick(seg.device, ops._step_dtypes(params, grads, seg.master), self.backend)
-        ops.call_step_("adafactor_step_", params, grads, seg.master, seg.states["factors"], seg.steps, partials,
-                       inv_scale, lr, self._stats, float(group["beta2_decay"]),
-                       None if eps1 is None else float(eps1), float(eps2), float(group["d"]),
-                       float(group["weight_decay"]), max_norm, bool(group["maximize"]), backend,
-                       seed=getattr(seg, "seed", None))
+        super()._step_op(seg, params, grads, group, partials, inv_scale, lr, max_norm, backend)
 
     def _sharded_step(self, seg, params, grads, group, partials, inv_scale, lr, max_norm) -> None:
         """FSDP2: the step over this rank's shards in torch operations (the reference math, summing each whole

@@ -9,6 +9,7 @@ from .. import ops
 from . import _params as P
 from . import _precision
 from ._base import FusedOptimizer
+from ._step_op import StepOp
 
 
 def _check_unsupported(cls: str, amsgrad, differentiable) -> None:
@@ -18,16 +19,11 @@ def _check_unsupported(cls: str, amsgrad, differentiable) -> None:
         raise ValueError(f"differentiable=True: {cls} updates in place without autograd")
 
 
-def _scales_kw(seg) -> dict:
-    """``state_scales=`` for a backend's table entry only when the segment has 8-bit moments (so a backend without
-    them still runs the other modes)."""
-    scales = getattr(seg, "scales", None)
-    return {} if scales is None else {"state_scales": scales}
-
-
-class AdamMath:
+class AdamMath(StepOp):
     """What makes an optimizer Adam/AdamW, shared by the fused optimizers and their ZeRO-1 sharded versions:
     arguments, the rules of its hyperparameters, the step op and its state in a state dict."""
+
+    step_op = "adam_step_"
 
     state_names = ("exp_avg", "exp_avg_sq")
     decoupled = False
@@ -70,22 +66,10 @@ class AdamMath:
         return (P.hyper_value(beta1, "betas[0]"), P.hyper_value(beta2, "betas[1]"),
                 bool(group.get("decoupled_weight_decay", self.decoupled)))
 
-    def _step_op(self, seg, params, grads, group, partials, inv_scale, lr, max_norm, backend: str) -> None:
+    def _op_hyper(self, group: dict) -> dict:
         beta1, beta2, decoupled = self._hyper(group)
-        ops.call_step_("adam_step_", params, grads, seg.master, seg.states["exp_avg"], seg.states["exp_avg_sq"],
-                       seg.steps, partials, inv_scale, lr, self._stats, beta1, beta2,
-                       float(group["eps"]), float(group["weight_decay"]), max_norm, decoupled,
-                       bool(group["maximize"]), backend, seed=getattr(seg, "seed", None),
-                       state_scales=getattr(seg, "scales", None))
-
-    def _step_op_table(self, seg, backend, group, partials, inv_scale, lr, max_norm) -> None:
-        beta1, beta2, decoupled = self._hyper(group)
-        table = (seg.table_address, len(seg), seg.table, seg.stamps)
-        backend.adam_step_table(table, seg.dtype, seg.master, seg.states["exp_avg"],
-                                seg.states["exp_avg_sq"], seg.steps, partials, inv_scale, lr, self._stats,
-                                beta1, beta2, float(group["eps"]), float(group["weight_decay"]),
-                                max_norm, decoupled, bool(group["maximize"]), getattr(seg, "seed", None),
-                                **_scales_kw(seg))
+        return dict(beta1=beta1, beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                    decoupled=decoupled, maximize=bool(group["maximize"]))
 
     def _state_keys_for_load(self, saved: dict):
         if "max_exp_avg_sq" in saved:

@@ -13,8 +13,8 @@ from .. import ops
 from . import _params as P
 from . import _precision
 from ._base import FusedOptimizer
+from ._step_op import StepOp
 from ._state import torch_state_dict
-from .adam import _scales_kw
 
 # optimi's group keys that the fused step has no use for (its implementation switches and Kahan summation,
 # which the fp32 masters replace); dropped when an optimi state dict is loaded
@@ -22,10 +22,11 @@ _OPTIMI_ONLY = ("beta1", "beta2", "decouple_lr", "max_lr", "kahan_sum", "foreach
                 "setup")
 
 
-class LionMath:
+class LionMath(StepOp):
     """What makes an optimizer Lion, shared by :class:`FusedLion` and its ZeRO-1 sharded version: arguments, the
     rules of its hyperparameters, the step op and its state in a state dict."""
 
+    step_op = "lion_step_"
     state_names = ("exp_avg",)
     torch_load_defaults = dict(maximize=False)
 
@@ -46,19 +47,10 @@ class LionMath:
         beta1, beta2 = group["betas"]
         return P.hyper_value(beta1, "betas[0]"), P.hyper_value(beta2, "betas[1]")
 
-    def _step_op(self, seg, params, grads, group, partials, inv_scale, lr, max_norm, backend: str) -> None:
+    def _op_hyper(self, group: dict) -> dict:
         beta1, beta2 = self._betas(group)
-        ops.call_step_("lion_step_", params, grads, seg.master, seg.states["exp_avg"], seg.steps, partials,
-                       inv_scale, lr, self._stats, beta1, beta2, float(group["weight_decay"]), max_norm,
-                       bool(group["maximize"]), backend, seed=getattr(seg, "seed", None),
-                       state_scales=getattr(seg, "scales", None))
-
-    def _step_op_table(self, seg, backend, group, partials, inv_scale, lr, max_norm) -> None:
-        beta1, beta2 = self._betas(group)
-        table = (seg.table_address, len(seg), seg.table, seg.stamps)
-        backend.lion_step_table(table, seg.dtype, seg.master, seg.states["exp_avg"], seg.steps, partials,
-                                inv_scale, lr, self._stats, beta1, beta2, float(group["weight_decay"]), max_norm,
-                                bool(group["maximize"]), getattr(seg, "seed", None), **_scales_kw(seg))
+        return dict(beta1=beta1, beta2=beta2, weight_decay=float(group["weight_decay"]),
+                    maximize=bool(group["maximize"]))
 
     # optimi's Lion keeps no step count; this one keeps it (it keys the stochastic rounding's draws, and a resumed
     # run counts on): an optimi state dict loads as after one step

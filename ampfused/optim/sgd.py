@@ -9,13 +9,15 @@ from .. import ops
 from . import _precision
 from . import _params as P
 from ._base import FusedOptimizer
-from .adam import _scales_kw
+from ._step_op import StepOp
 
 
-class SgdMath:
+class SgdMath(StepOp):
     """What makes an optimizer SGD, shared by :class:`FusedSGD` and its ZeRO-1 sharded version: arguments, the
     rules of its hyperparameters, the step op and torch.optim.SGD's state-dict layout."""
 
+    step_op = "sgd_step_"
+    op_states = {"momentum_buf": "momentum_buffer"}
     state_names = ("momentum_buffer",)
     # what torch.optim.SGD.__setstate__ gives a group key that a loaded (older) state dict lacks
     torch_load_defaults = dict(nesterov=False, maximize=False, foreach=None, differentiable=False, fused=False)
@@ -40,23 +42,10 @@ class SgdMath:
         P.check_momentum(group["momentum"], group["dampening"], group["nesterov"], where)
         P.check_weight_decay(group["weight_decay"], where)
 
-    def _step_op(self, seg, params, grads, group, partials, inv_scale, lr, max_norm, backend: str) -> None:
-        momentum = float(group["momentum"])
-        ops.call_step_("sgd_step_", params, grads, seg.master,
-                       seg.states["momentum_buffer"] if momentum != 0 else None, seg.steps, partials, inv_scale, lr,
-                       self._stats, momentum, float(group["dampening"]), float(group["weight_decay"]),
-                       bool(group["nesterov"]), max_norm, bool(group["maximize"]), backend,
-                       seed=getattr(seg, "seed", None),
-                       state_scales=getattr(seg, "scales", None) if momentum != 0 else None)
-
-    def _step_op_table(self, seg, backend, group, partials, inv_scale, lr, max_norm) -> None:
-        momentum = float(group["momentum"])
-        table = (seg.table_address, len(seg), seg.table, seg.stamps)
-        backend.sgd_step_table(table, seg.dtype, seg.master, seg.states.get("momentum_buffer"),
-                               seg.steps, partials, inv_scale, lr, self._stats, momentum,
-                               float(group["dampening"]), float(group["weight_decay"]), bool(group["nesterov"]),
-                               max_norm, bool(group["maximize"]), getattr(seg, "seed", None),
-                               **(_scales_kw(seg) if momentum != 0 else {}))
+    def _op_hyper(self, group: dict) -> dict:
+        return dict(momentum=float(group["momentum"]), dampening=float(group["dampening"]),
+                    weight_decay=float(group["weight_decay"]), nesterov=bool(group["nesterov"]),
+                    maximize=bool(group["maximize"]))
 
     # torch.optim.SGD keeps no step, and state only for parameters of groups with momentum that a step saw: a
     # parameter without a momentum buffer exports only its master (when it has one), or nothing; with stochastic

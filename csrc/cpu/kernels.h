@@ -1,9 +1,10 @@
 // CPU drivers of the per-element math in include/ampfused/math.h.
 //
 // The same source (kernels_impl.h) is compiled once per instruction set into its own namespace
-// (kernels_default.cpp, kernels_avx2.cpp, kernels_avx512.cpp) and module.cpp picks one at run time,
-// so a wheel runs on any x86-64 CPU. Every variant gives the same bits: accumulations use a fixed
-// number of lanes and the build disables floating-point contraction.
+// (kernels_default.cpp, kernels_avx2.cpp, kernels_avx512.cpp), with each optimizer's drivers (csrc/cpu/steps)
+// in objects of their own, and module.cpp picks one set at run time, so a wheel runs on any x86-64 CPU. Every
+// variant gives the same bits: accumulations use a fixed number of lanes and the build disables floating-point
+// contraction.
 #pragma once
 
 #include <cstdint>
@@ -55,28 +56,14 @@ struct StepBufs {
   namespace ns {                                                                                    \
   void norm_check(const Buf* bufs, int64_t nbufs, const int64_t* first_chunk, float inv_scale,      \
                   float* partials, int64_t num_partials, bool unscale, int nthreads);               \
-  void adam_apply(const StepBufs& b, const StepTensor* ts, const AdamConsts* c, int64_t count,     \
-                  int nthreads);                                                                    \
-  void sgd_apply(const StepBufs& b, const StepTensor* ts, const SgdConsts* c, int64_t count,        \
-                 int nthreads);                                                                     \
-  }
-
-// Lion (lion_kernels.h), declared apart so that each optimizer's entry stays its own block.
-#define AMPFUSED_CPU_LION_API(ns)                                                                     \
-  namespace ns {                                                                                    \
-  void lion_apply(const StepBufs& b, const StepTensor* ts, const LionConsts* c, int64_t count,     \
-                  int nthreads);                                                                    \
   }
 
 AMPFUSED_CPU_ISA_API(isa_default)
-AMPFUSED_CPU_LION_API(isa_default)
 #if defined(AMPFUSED_HAVE_AVX2)
 AMPFUSED_CPU_ISA_API(isa_avx2)
-AMPFUSED_CPU_LION_API(isa_avx2)
 #endif
 #if defined(AMPFUSED_HAVE_AVX512)
 AMPFUSED_CPU_ISA_API(isa_avx512)
-AMPFUSED_CPU_LION_API(isa_avx512)
 #endif
 
 }  // namespace cpu

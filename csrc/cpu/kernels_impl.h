@@ -2,6 +2,8 @@
 // AMPFUSED_ISA (the namespace) and is built with that set's flags. Loops are plain: convert, compute
 // in fp32, store; no per-element branch, so the compiler vectorises them.
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -11,6 +13,7 @@
 #endif
 
 #include "kernels.h"
+#include "step_driver.h"
 
 #ifndef AMPFUSED_ISA
 #error "define AMPFUSED_ISA before including kernels_impl.h"
@@ -230,59 +233,6 @@ AF_HD void update_range(int64_t lo, int64_t hi, Update update) {
   for (int64_t i = lo; i < hi; ++i) update(i);
 }
 
-template <typename G, typename P, bool kMaster>
-void adam_range(const StepBufs& b, const StepTensor& t, const AdamConsts& consts, int64_t lo, int64_t hi,
-                bool stream) {
-  const AdamConsts c = consts;  // a local copy: stores to the buffers cannot alias it
-  const G* __restrict g = static_cast<const G*>(t.grad);
-  float* __restrict w = kMaster ? b.master + t.offset : static_cast<float*>(t.param);
-  float* __restrict m = b.state1 + t.offset;
-  float* __restrict v = b.state2 + t.offset;
-  const auto run = [&](auto math) {
-    const auto update = [=](int64_t i) {
-      float wi = w[i], mi = m[i], vi = v[i];
-      math(to_f32(g[i]), wi, mi, vi, c);
-      w[i] = wi;
-      m[i] = mi;
-      v[i] = vi;
-      return wi;
-    };
-    if (kMaster) store_range(static_cast<P*>(t.param), lo, hi, stream, update);
-    else update_range(lo, hi, update);
-  };
-  // the common case in loops of its own: the same bits, without the general form's selects
-  if (!c.use_l2 && c.lerp_small) {
-    if (c.maximize) run([](float gi, float& wi, float& mi, float& vi, const AdamConsts& k) {
-      adam_update_form<true, true>(gi, wi, mi, vi, k);
-    });
-    else run([](float gi, float& wi, float& mi, float& vi, const AdamConsts& k) {
-      adam_update_form<true, false>(gi, wi, mi, vi, k);
-    });
-  } else {
-    run([](float gi, float& wi, float& mi, float& vi, const AdamConsts& k) { adam_update(gi, wi, mi, vi, k); });
-  }
-}
-
-template <typename G, typename P, bool kMaster, bool kMomentum>
-void sgd_range(const StepBufs& b, const StepTensor& t, const SgdConsts& consts, int64_t lo, int64_t hi,
-               bool stream) {
-  SgdConsts c = consts;
-  c.use_momentum = kMomentum;
-  const G* __restrict g = static_cast<const G*>(t.grad);
-  float* __restrict w = kMaster ? b.master + t.offset : static_cast<float*>(t.param);
-  float* __restrict s = kMomentum ? b.state1 + t.offset : nullptr;
-  const auto update = [=](int64_t i) {
-    float wi = w[i];
-    float bi = kMomentum ? s[i] : 0.0f;
-    sgd_update(to_f32(g[i]), wi, bi, c);
-    w[i] = wi;
-    if (kMomentum) s[i] = bi;
-    return wi;
-  };
-  if (kMaster) store_range(static_cast<P*>(t.param), lo, hi, stream, update);
-  else update_range(lo, hi, update);
-}
-
 // random_bits (math.h) split in two: the key with the index's high 32 bits folded in, one value for every
 // index that shares that half (formed once per span), then the hash of it with the index's low 32 bits.
 inline uint32_t random_key_high(uint32_t key, uint32_t index_high) { return key + index_high * 0x9E3779B9u; }
@@ -361,10 +311,10 @@ inline bool is_compact(const StepBufs& b) {
 
 }  // namespace
 
-// AMPFUSED_CPU_PART = 0, 1 or 2 compiles only the drivers of that part (setup.py builds each instruction set's
-// file as three objects, compiled in parallel: one object of all three took most of a build); undefined, all.
-// A driver added here takes a part too (an unguarded one would be defined in every object).
-#if !defined(AMPFUSED_CPU_PART) || AMPFUSED_CPU_PART == 0
+// setup.py builds this file once per instruction set for K1 and once more per optimizer, each object with
+// AMPFUSED_CPU_STEP_FILE naming one of csrc/cpu/steps/*.h: its drivers and its step entry (objects compiled in
+// parallel, and a new optimizer is a new file there, named nowhere else).
+#if !defined(AMPFUSED_CPU_STEP_FILE)
 void norm_check(const Buf* bufs, int64_t nbufs, const int64_t* first_chunk, float inv_scale,
                 float* partials, int64_t num_partials, bool unscale, int nthreads) {
   const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, num_partials)));
@@ -387,92 +337,14 @@ void norm_check(const Buf* bufs, int64_t nbufs, const int64_t* first_chunk, floa
     partials[num_partials + c] = f ? 1.0f : 0.0f;
   }
 }
-
-#endif
-
-#if !defined(AMPFUSED_CPU_PART) || AMPFUSED_CPU_PART == 1
-void adam_apply(const StepBufs& b, const StepTensor* ts, const AdamConsts* c, int64_t count, int nthreads) {
-  if (is_compact(b)) {
-    // every tensor's constants in the common form: its loops of their own, as the fp32 state's (same bits)
-    bool plain = true;
-    for (int64_t k = 0; k < count; ++k) plain = plain && !c[k].use_l2 && c[k].lerp_small && !c[k].maximize;
-    with_type(b.grad_dtype, [&](auto gtag) {
-      using G = decltype(gtag);
-      if (plain) {
-        compact_apply<G, 2>(b, ts, c, count, nthreads, [](float g, float& w, float& m, float& v, const AdamConsts& k) {
-          adam_update_form<true, false>(g, w, m, v, k);
-        });
-      } else {
-        compact_apply<G, 2>(b, ts, c, count, nthreads, [](float g, float& w, float& m, float& v, const AdamConsts& k) {
-          adam_update(g, w, m, v, k);
-        });
-      }
-    });
-    return;
-  }
-  with_type(b.grad_dtype, [&](auto gtag) {
-    with_type(b.param_dtype, [&](auto ptag) {
-      using G = decltype(gtag);
-      using P = decltype(ptag);
-      if (b.master) {
-        parallel_blocks(ts, count, nthreads, [&](int64_t k, int64_t lo, int64_t hi, bool st) {
-          adam_range<G, P, true>(b, ts[k], c[k], lo, hi, st);
-        });
-      } else {
-        parallel_blocks(ts, count, nthreads, [&](int64_t k, int64_t lo, int64_t hi, bool st) {
-          adam_range<G, float, false>(b, ts[k], c[k], lo, hi, st);
-        });
-      }
-    });
-  });
-}
-
-#endif
-
-#if !defined(AMPFUSED_CPU_PART) || AMPFUSED_CPU_PART == 2
-void sgd_apply(const StepBufs& b, const StepTensor* ts, const SgdConsts* c, int64_t count, int nthreads) {
-  if (is_compact(b)) {
-    const auto momentum = [](float g, float& w, float& m, float&, const SgdConsts& k) {
-      SgdConsts kk = k;
-      kk.use_momentum = 1;
-      sgd_update(g, w, m, kk);
-    };
-    const auto plain = [](float g, float& w, float& m, float&, const SgdConsts& k) {
-      SgdConsts kk = k;
-      kk.use_momentum = 0;
-      sgd_update(g, w, m, kk);
-    };
-    with_type(b.grad_dtype, [&](auto gtag) {
-      if (b.state1) compact_apply<decltype(gtag), 1>(b, ts, c, count, nthreads, momentum);
-      else compact_apply<decltype(gtag), 0>(b, ts, c, count, nthreads, plain);
-    });
-    return;
-  }
-  with_type(b.grad_dtype, [&](auto gtag) {
-    with_type(b.param_dtype, [&](auto ptag) {
-      using G = decltype(gtag);
-      using P = decltype(ptag);
-      const bool mom = b.state1 != nullptr;
-      parallel_blocks(ts, count, nthreads, [&](int64_t k, int64_t lo, int64_t hi, bool st) {
-        if (b.master) {
-          if (mom) sgd_range<G, P, true, true>(b, ts[k], c[k], lo, hi, st);
-          else sgd_range<G, P, true, false>(b, ts[k], c[k], lo, hi, st);
-        } else {
-          if (mom) sgd_range<G, float, false, true>(b, ts[k], c[k], lo, hi, st);
-          else sgd_range<G, float, false, false>(b, ts[k], c[k], lo, hi, st);
-        }
-      });
-    });
-  });
-}
-
-#endif
-
-// Lion's driver with norm_check, the lightest part
-#if !defined(AMPFUSED_CPU_PART) || AMPFUSED_CPU_PART == 0
-#include "lion_kernels.h"
 #endif
 
 }  // namespace AMPFUSED_ISA
 }  // namespace cpu
 }  // namespace ampfused
+
+// (it opens this instruction set's namespace again, after including the math it needs; the helpers above are
+// its own in this object)
+#if defined(AMPFUSED_CPU_STEP_FILE)
+#include AMPFUSED_CPU_STEP_FILE
+#endif

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "ampfused/build_id.h"
-#include "ampfused/step_args.h"
+#include "ampfused/step_pack.h"
 #include "kernels.h"
-#include "adafactor.h"
+#include "step_driver.h"
 
 
 namespace py = pybind11;
@@ -25,23 +25,20 @@ namespace {
 struct Isa {
   const char* name;
   void (*norm_check)(const Buf*, int64_t, const int64_t*, float, float*, int64_t, bool, int);
-  void (*adam)(const StepBufs&, const StepTensor*, const AdamConsts*, int64_t, int);
-  void (*sgd)(const StepBufs&, const StepTensor*, const SgdConsts*, int64_t, int);
   bool supported;
 };
 
 std::vector<Isa> make_isas() {
   std::vector<Isa> v;
 #if defined(AMPFUSED_HAVE_AVX512)
-  v.push_back({"avx512", isa_avx512::norm_check, isa_avx512::adam_apply, isa_avx512::sgd_apply,
+  v.push_back({"avx512", isa_avx512::norm_check,
                __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")});
 #endif
 #if defined(AMPFUSED_HAVE_AVX2)
-  v.push_back({"avx2", isa_avx2::norm_check, isa_avx2::adam_apply, isa_avx2::sgd_apply,
-               bool(__builtin_cpu_supports("avx2"))});
+  v.push_back({"avx2", isa_avx2::norm_check, bool(__builtin_cpu_supports("avx2"))});
 #endif
-  v.push_back({"default", isa_default::norm_check, isa_default::adam_apply, isa_default::sgd_apply, true});
+  v.push_back({"default", isa_default::norm_check, true});
   return v;
 }
 
@@ -128,144 +125,64 @@ void norm_check_tables(const std::vector<uintptr_t>& tables, const std::vector<i
                    addr<float>(partials), P, unscale, nthreads);
 }
 
-// reference._prologue: reduce the partials in column order (fp64), record [norm, found_inf];
-// returns false when the step is skipped.
-bool prologue(const StepArgs& a, double max_norm, float* coef) {
-  double sumsq = 0.0;
-  bool found_inf = false;
-  for (int64_t k = 0; k < a.num_partials; ++k) {
-    sumsq += double(a.partials[k]);
-    found_inf |= a.partials[a.num_partials + k] > 0.0f;
-  }
-  const float norm = float(std::sqrt(sumsq));
-  a.out_stats[0] = norm;
-  a.out_stats[1] = found_inf ? 1.0f : 0.0f;
-  *coef = step_coef(*a.inv_scale, norm, max_norm);
-  return !found_inf;
-}
-
-// The tensor table arrives as a list of ints (host memory: no tensor to build for it).
-void check_table(const std::vector<int64_t>& table, int64_t count) {
-  if (count < 0 || int64_t(table.size()) != count * kTableCols) {
-    throw std::invalid_argument("the tensor table must hold " + std::to_string(kTableCols) + " ints per parameter");
-  }
-}
-
-// The parameters that have a gradient, from the tensor table.
-std::vector<int64_t> active_rows(const StepArgs& a) {
-  std::vector<int64_t> rows;
-  for (int64_t k = 0; k < a.count; ++k) {
-    if (a.table[k * kTableCols + kColNumel] != kNoGrad) rows.push_back(k);
-  }
-  return rows;
-}
-
-StepTensor tensor_of(const StepArgs& a, int64_t k) {
-  const int64_t* r = a.table + k * kTableCols;
-  return StepTensor{addr<void>(uintptr_t(r[kColParam])), addr<const void>(uintptr_t(r[kColGrad])), r[kColNumel],
-                    r[kColOffset], 0u};
-}
-
-StepBufs bufs_of(const StepArgs& a) {
-  return StepBufs{a.param_dtype, a.grad_dtype, a.master, a.state1, a.state2, a.master_format, a.state_dtype,
-                  a.state_scales, a.scale_blocks};
-}
-
-// The step after the tensor table was checked: prologue (skip on found_inf), per-parameter constants from each
-// one's own step count (make(coef, lr, step) -> Consts), the update over every parameter with a gradient
-// (apply), and each such parameter's step count advanced by one. Never on a skipped step.
-template <typename Consts, typename Make, typename Apply>
-void run_step(const StepArgs& a, double max_norm, int nthreads, Make make, Apply apply) {
-  float coef;
-  if (!prologue(a, max_norm, &coef)) return;
-  const float lr_f = float(read_scalar(a.lr, a.lr_code));
-  const std::vector<int64_t> rows = active_rows(a);
-  std::vector<StepTensor> ts;
-  std::vector<Consts> cs;
-  const uint64_t seed = a.seed ? uint64_t(*a.seed) : 0;
-  for (int64_t k : rows) {
-    const double step = read_scalar(scalar_at(a.steps, a.step_code, k), a.step_code);
-    StepTensor t = tensor_of(a, k);
-    if (a.seed) t.key = step_key(seed, key_step(next_step(step)));
-    ts.push_back(t);
-    cs.push_back(make(coef, lr_f, step));
-  }
-  apply(bufs_of(a), ts.data(), cs.data(), int64_t(ts.size()), nthreads);
-  for (int64_t k : rows) add_one(scalar_at(a.steps, a.step_code, k), a.step_code);
-}
-
-// The table is a list of ints, or the address of a host int64 [count, kTableCols] buffer (the fused optimizers'
-// own tables, written by ampfused._host).
-uintptr_t table_address(const py::object& table, int64_t count, std::vector<int64_t>* keep) {
-  if (py::isinstance<py::int_>(table)) {
-    if (count < 0) throw std::invalid_argument("count must be >= 0");
-    return table.cast<uintptr_t>();
-  }
-  *keep = table.cast<std::vector<int64_t>>();
-  check_table(*keep, count);
-  return uintptr_t(keep->data());
-}
-
-void adam_step(const py::object& table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
-               uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t steps, int step_code, uintptr_t partials,
-               int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats,
-               double beta1, double beta2, double eps, double weight_decay, double max_norm, bool decoupled,
-               bool maximize, int nthreads, int master_format, int state_dtype, uintptr_t seed,
-               uintptr_t state_scales, int64_t scale_blocks) {
+// The step: the entry of `op` that this instruction set's objects registered (csrc/cpu/steps), over the packed
+// call (ampfused/step_pack.h). `rows`: the tensor table as ints, or None when slots[table] is the address of a
+// host int64 table (the fused optimizers' own, written by ampfused._host).
+void step(const std::string& op, const std::vector<int64_t>& slots, const std::vector<double>& hyper,
+          const py::object& rows) {
+  const CpuSteps::Entry& e = CpuSteps::find(op, std::string("isa_") + isa().name);
   std::vector<int64_t> keep;
-  const StepArgs a = step_args(table_address(table, count, &keep), count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq,
-                               steps, step_code, partials, num_partials, inv_scale, lr, lr_code, out_stats,
-                               master_format, state_dtype, seed, state_scales, scale_blocks);
-  const float log_beta1 = log_beta(beta1), log_beta2 = log_beta(beta2);
+  std::vector<int64_t> packed = slots;
+  int64_t table_ints = -1;
+  if (!rows.is_none()) {
+    keep = rows.cast<std::vector<int64_t>>();
+    table_ints = int64_t(keep.size());
+    if (packed.size() > size_t(kSlot_table)) packed[size_t(kSlot_table)] = int64_t(uintptr_t(keep.data()));
+  }
+  const StepPack p = read_step_pack(op, e.hyper, packed, hyper, table_ints);
   py::gil_scoped_release nogil;
-  run_step<AdamConsts>(a, max_norm, nthreads, [&](float coef, float lr_f, double step) {
-    return make_adam_consts(coef, lr_f, float(next_step(step)), beta1, beta2, log_beta1, log_beta2, eps,
-                            weight_decay, decoupled, maximize);
-  }, isa().adam);
+  e.fn(p);
 }
 
-void sgd_step(const py::object& table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
-              uintptr_t momentum_buf, uintptr_t steps, int step_code, uintptr_t partials, int64_t num_partials,
-              uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double momentum,
-              double dampening, double weight_decay, bool nesterov, double max_norm, bool maximize, int nthreads,
-              int master_format, int state_dtype, uintptr_t seed, uintptr_t state_scales, int64_t scale_blocks) {
-  std::vector<int64_t> keep;
-  const StepArgs a = step_args(table_address(table, count, &keep), count, param_dtype, grad_dtype, master,
-                               momentum != 0.0 ? momentum_buf : 0, 0, steps, step_code, partials, num_partials, inv_scale,
-                               lr, lr_code, out_stats, master_format, state_dtype, seed, state_scales, scale_blocks);
-  py::gil_scoped_release nogil;
-  run_step<SgdConsts>(a, max_norm, nthreads, [&](float coef, float lr_f, double step) {
-    return make_sgd_consts(coef, lr_f, float(step), momentum, dampening, weight_decay, nesterov, maximize);
-  }, isa().sgd);
+// The packed call as every entry of both modules reads it (read_step_pack): StepArgs' fields by name, and the
+// hyperparameters by the names op's CPU entry reads them. Runs nothing (the suite checks the packing with it).
+py::dict read_step(const std::string& op, const std::vector<int64_t>& slots, const std::vector<double>& hyper) {
+  const CpuSteps::Entry& e = CpuSteps::find(op, std::string("isa_") + isa().name);
+  const StepPack p = read_step_pack(op, e.hyper, slots, hyper, -1);
+  const StepArgs& a = p.args;
+  const auto u = [](const void* ptr) { return uint64_t(reinterpret_cast<uintptr_t>(ptr)); };
+  py::dict d;
+  d["table"] = u(a.table);
+  d["count"] = a.count;
+  d["param_dtype"] = a.param_dtype;
+  d["grad_dtype"] = a.grad_dtype;
+  d["master"] = u(a.master);
+  d["state1"] = u(a.state1);
+  d["state2"] = u(a.state2);
+  d["steps"] = u(a.steps);
+  d["step_code"] = a.step_code;
+  d["partials"] = u(a.partials);
+  d["num_partials"] = a.num_partials;
+  d["inv_scale"] = u(a.inv_scale);
+  d["lr"] = u(a.lr);
+  d["lr_code"] = a.lr_code;
+  d["out_stats"] = u(a.out_stats);
+  d["master_format"] = a.master_format;
+  d["state_dtype"] = a.state_dtype;
+  d["seed"] = u(a.seed);
+  d["state_scales"] = u(a.state_scales);
+  d["scale_blocks"] = a.scale_blocks;
+  py::dict h;
+  for (size_t i = 0; i < p.hyper.size(); ++i) h[py::str(p.hyper_names[i])] = p.h(i);
+  d["hyper"] = h;
+  return d;
 }
 
-// Lion's driver for the instruction set the kernels run with.
-using LionApply = void (*)(const StepBufs&, const StepTensor*, const LionConsts*, int64_t, int);
-LionApply lion_apply_of(const Isa& i) {
-  const std::string name = i.name;
-#if defined(AMPFUSED_HAVE_AVX512)
-  if (name == "avx512") return isa_avx512::lion_apply;
-#endif
-#if defined(AMPFUSED_HAVE_AVX2)
-  if (name == "avx2") return isa_avx2::lion_apply;
-#endif
-  return isa_default::lion_apply;
-}
-
-void lion_step(const py::object& table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
-               uintptr_t exp_avg, uintptr_t steps, int step_code, uintptr_t partials, int64_t num_partials,
-               uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double beta1, double beta2,
-               double weight_decay, double max_norm, bool maximize, int nthreads, int master_format,
-               int state_dtype, uintptr_t seed, uintptr_t state_scales, int64_t scale_blocks) {
-  std::vector<int64_t> keep;
-  const StepArgs a = step_args(table_address(table, count, &keep), count, param_dtype, grad_dtype, master, exp_avg,
-                               0, steps, step_code, partials, num_partials, inv_scale, lr, lr_code, out_stats,
-                               master_format, state_dtype, seed, state_scales, scale_blocks);
-  const LionApply apply = lion_apply_of(isa());
-  py::gil_scoped_release nogil;
-  run_step<LionConsts>(a, max_norm, nthreads, [&](float coef, float lr_f, double) {
-    return make_lion_consts(coef, lr_f, beta1, beta2, weight_decay, maximize);
-  }, apply);
+// Every registered step op and the hyperparameters its entry reads, in order.
+py::dict step_ops() {
+  py::dict d;
+  for (const CpuSteps::Entry& e : CpuSteps::entries()) d[py::str(e.op)] = e.hyper;
+  return d;
 }
 
 void update_scale_op(uintptr_t scale, uintptr_t growth_tracker, uintptr_t found_inf, double growth_factor,
@@ -274,31 +191,6 @@ void update_scale_op(uintptr_t scale, uintptr_t growth_tracker, uintptr_t found_
   update_scale(addr<float>(scale), addr<int32_t>(growth_tracker), found, growth_factor,
                backoff_factor, growth_interval);
   finish_scale_update(addr<const float>(scale), found, addr<float>(inv_scale), addr<int64_t>(skipped));
-}
-
-// The Adafactor step (adafactor.h) over a table of kAfCols ints per parameter (ampfused/ops/native_adafactor.py).
-void adafactor_step(const std::vector<int64_t>& table, int64_t count, int param_dtype, int grad_dtype,
-                    uintptr_t master, uintptr_t factors, uintptr_t steps, int step_code, uintptr_t partials,
-                    int64_t num_partials, uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats,
-                    double beta2_decay, double eps1, double eps2, double d, double weight_decay, double max_norm,
-                    bool maximize, int nthreads, int master_format, uintptr_t seed) {
-  if (count < 0 || int64_t(table.size()) != count * kAfCols) {
-    throw std::invalid_argument("the Adafactor table must hold " + std::to_string(kAfCols) + " ints per parameter");
-  }
-  const StepArgs a = step_args(0, count, param_dtype, grad_dtype, master, 0, 0, steps, step_code, partials,
-                               num_partials, inv_scale, lr, lr_code, out_stats, master_format, 0, seed);
-  py::gil_scoped_release nogil;
-  float coef;
-  if (!prologue(a, max_norm, &coef)) return;
-  AfHyper h{beta2_decay, eps1, eps2, d, weight_decay, read_scalar(a.lr, a.lr_code), float(eps1 * eps1), maximize};
-  AfBufs b{param_dtype, grad_dtype, master_format, a.master, addr<float>(factors),
-           a.seed ? uint64_t(*a.seed) : 0};
-  std::vector<double> t(size_t(count), 0.0);
-  for (int64_t k = 0; k < count; ++k) t[size_t(k)] = next_step(read_scalar(scalar_at(a.steps, a.step_code, k), a.step_code));
-  adafactor_apply(b, table.data(), count, t.data(), coef, h, nthreads);
-  for (int64_t k = 0; k < count; ++k) {
-    if (table[size_t(k * kAfCols + 2)] != kNoGrad) add_one(scalar_at(a.steps, a.step_code, k), a.step_code);
-  }
 }
 
 py::dict build_info() {
@@ -338,29 +230,16 @@ PYBIND11_MODULE(_C, m) {
   m.def("norm_check_tables", &norm_check_tables, py::arg("tables"), py::arg("counts"), py::arg("dtypes"),
         py::arg("inv_scale"), py::arg("partials"), py::arg("num_partials"), py::arg("unscale"),
         py::arg("num_threads"));
-  // the compact state's arguments (master format, state dtype code, seed address; the 8-bit moments' scales
-  // address and their blocks per row) come after the thread count and default to the fp32 state
-  m.def("adam_step", &adam_step, py::arg("table"), py::arg("count"), py::arg("param_dtype"), py::arg("grad_dtype"),
-        py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("steps"), py::arg("step_code"),
-        py::arg("partials"), py::arg("num_partials"), py::arg("inv_scale"), py::arg("lr"), py::arg("lr_code"),
-        py::arg("out_stats"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("max_norm"), py::arg("decoupled"), py::arg("maximize"), py::arg("num_threads"),
-        py::arg("master_format") = 0, py::arg("state_dtype") = 0, py::arg("seed") = uintptr_t(0),
-        py::arg("state_scales") = uintptr_t(0), py::arg("scale_blocks") = int64_t(0));
-  m.def("sgd_step", &sgd_step, py::arg("table"), py::arg("count"), py::arg("param_dtype"), py::arg("grad_dtype"),
-        py::arg("master"), py::arg("momentum_buf"), py::arg("steps"), py::arg("step_code"), py::arg("partials"),
-        py::arg("num_partials"), py::arg("inv_scale"), py::arg("lr"), py::arg("lr_code"), py::arg("out_stats"),
-        py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"), py::arg("max_norm"),
-        py::arg("maximize"), py::arg("num_threads"), py::arg("master_format") = 0, py::arg("state_dtype") = 0,
-        py::arg("seed") = uintptr_t(0), py::arg("state_scales") = uintptr_t(0), py::arg("scale_blocks") = int64_t(0));
-  m.def("lion_step", &lion_step, py::arg("table"), py::arg("count"), py::arg("param_dtype"), py::arg("grad_dtype"),
-        py::arg("master"), py::arg("exp_avg"), py::arg("steps"), py::arg("step_code"), py::arg("partials"),
-        py::arg("num_partials"), py::arg("inv_scale"), py::arg("lr"), py::arg("lr_code"), py::arg("out_stats"),
-        py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"), py::arg("max_norm"), py::arg("maximize"),
-        py::arg("num_threads"), py::arg("master_format") = 0, py::arg("state_dtype") = 0,
-        py::arg("seed") = uintptr_t(0), py::arg("state_scales") = uintptr_t(0), py::arg("scale_blocks") = int64_t(0));
-  m.attr("AF_COLS") = kAfCols;
-  m.attr("AF_MAX_DIMS") = kAfMaxDims;
-  m.def("adafactor_step", &adafactor_step);
+  m.attr("STEP_SLOTS") = step_slot_names();
+  m.def("step", &step, py::arg("op"), py::arg("slots"), py::arg("hyper"), py::arg("rows") = py::none(),
+        "the step op `op` over a packed call (ampfused/step_pack.h)");
+  m.def("step_ops", &step_ops, "{op: the hyperparameters its entry reads, in order}");
+  m.def("read_step", &read_step, py::arg("op"), py::arg("slots"), py::arg("hyper"),
+        "the packed call's fields as the step entries read them (runs nothing)");
+  m.def("step_constants", [] {
+    py::dict d;
+    for (const auto& kv : step_constants()) d[py::str(kv.first)] = kv.second;
+    return d;
+  });
   m.def("update_scale", &update_scale_op, py::call_guard<py::gil_scoped_release>());
 }

@@ -1,4 +1,4 @@
-// The CUDA Adafactor step (ampfused/ops/reference_adafactor.py; the same passes as csrc/cpu/adafactor.h and
+// The CUDA Adafactor step (ampfused/ops/reference_adafactor.py; the same passes as csrc/cpu/steps/adafactor.h and
 // triton_kernels/adafactor.py): one cooperative launch, its blocks over tiles of every parameter (a band of whole
 // rows of one matrix, or a span of a vector: ampfused/ops/native_adafactor.py, tiles), grid barriers between
 //   1. per tile: its rows' sums of the clipped gradient's squares (a warp per row, lanes along the row) and the
@@ -19,9 +19,28 @@
 #include <algorithm>
 
 #include "common.cuh"
+#include "entry.h"
 
 namespace ampfused {
 namespace cuda {
+
+// A table row (ampfused/ops/native_adafactor.py, as the CPU module's): param, grad, numel (kNoGrad without a
+// gradient), offset in master, offset in factors, ndim, kAfMaxDims sizes, kAfMaxDims strides (elements). After
+// the count rows, count + 1 rows of kAfInfo (native_adafactor.tiles): first tile, rows per band of a matrix
+// (elements per span of a vector), offset of its column partial sums in scratch, first column item.
+constexpr int kAfMaxDims = 8;
+constexpr int kAfCols = 6 + 2 * kAfMaxDims;
+constexpr int kAfInfo = 4;
+
+struct AfCudaHyper {
+  double beta2_decay, eps1, eps2, d, weight_decay, max_norm;
+  float eps1_sq;
+  bool maximize;
+  float* factors;  // fp32, factor_layout of the parameters' shapes
+  int64_t num_tiles, num_items, num_colparts, col_chunk;
+  double* scratch;  // num_colparts column partial sums, then per tile: w*w, new row factors, u*u
+};
+
 namespace {
 
 constexpr int kWarpsAf = kThreads / 32;
@@ -372,10 +391,23 @@ cudaError_t af_launch(int device, cudaStream_t st, const int64_t* table, const S
                                      dim3(kThreads), params, 0, st);
 }
 
-}  // namespace
-
-std::string adafactor_step(int device, uintptr_t stream, const int64_t* table, const StepArgs& a,
-                           const AfCudaHyper& h) {
+// The step from the pack: its table (slots[table]: the rows, then the tile layout) in device memory.
+std::string adafactor_step(const StepPack& p) {
+  const int64_t num_tiles = p.slot(kSlot_tiles), num_items = p.slot(kSlot_items),
+                num_colparts = p.slot(kSlot_colparts), col_chunk = p.slot(kSlot_col_chunk);
+  if (num_tiles < 0 || num_items < 0 || num_colparts < 0 || col_chunk < 1) {
+    throw std::invalid_argument("adafactor_step: a negative tile count or a column chunk below 1");
+  }
+  const StepArgs& a = p.args;
+  if (a.master_format == kMasterNone && a.seed == nullptr) {
+    throw std::invalid_argument("stochastic rounding needs a seed");
+  }
+  const double eps1 = p.h(1);
+  const AfCudaHyper h{p.h(0), eps1, p.h(2), p.h(3), p.h(4), p.h(5), float(eps1 * eps1), p.flag(6), a.state1,
+                      num_tiles, num_items, num_colparts, col_chunk, p.ptr<double>(kSlot_scratch)};
+  const int64_t* table = a.table;
+  const int device = device_of(p);
+  const uintptr_t stream = stream_of(p);
   if (a.count == 0) return "";
   const std::string dev = use_device(device);
   if (!dev.empty()) return dev;
@@ -417,6 +449,14 @@ std::string prepare_adafactor(int device) {
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? std::string() : cuda_error("loading the Adafactor kernels", e);
 }
+
+}  // namespace
+
+AMPFUSED_CUDA_STEP("adafactor_step_", adafactor_step, prepare_adafactor, "beta2_decay", "eps1", "eps2", "d",
+                   "weight_decay", "max_norm", "maximize");
+AMPFUSED_STEP_CONSTANT(AF_COLS, kAfCols);
+AMPFUSED_STEP_CONSTANT(AF_INFO, kAfInfo);
+AMPFUSED_STEP_CONSTANT(AF_MAX_DIMS, kAfMaxDims);
 
 }  // namespace cuda
 }  // namespace ampfused

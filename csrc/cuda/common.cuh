@@ -195,13 +195,9 @@ inline std::string cuda_error(const char* what, cudaError_t e) {
 std::string use_device(int device);
 int sm_count(int device);
 
-// Loads every kernel of a file on `device` and caches its occupancy, so that nothing is loaded or
-// queried lazily later (inside a CUDA graph capture, say).
+// Loads K1's kernels on `device` and caches their occupancy, so that nothing is loaded or queried lazily later
+// (inside a CUDA graph capture, say); each step's own are loaded by the function its entry registered (entry.h).
 std::string prepare_norm(int device);
-std::string prepare_adam(int device);
-std::string prepare_sgd(int device);
-std::string prepare_lion(int device);
-std::string prepare_adafactor(int device);
 
 }  // namespace cuda
 }  // namespace ampfused

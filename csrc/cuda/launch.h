@@ -76,49 +76,10 @@ std::string norm_check_work(int device, uintptr_t stream, const int64_t* table, 
                             int64_t num_columns, int64_t first_col, int grad_dtype, const float* inv_scale,
                             float* partials, int64_t P);
 
-// One launch over every parameter of args.table (device memory), driven by `work` (device memory).
-// `counter`: a zeroed int32 of device workspace, one per step tensor; the kernel leaves it zero.
-// single_launch: K1 over the gradients into args.partials (then an output of [2, work.num_columns]), a grid
-// barrier, then the step, in one cooperative launch.
-std::string adam_step(int device, uintptr_t stream, const StepArgs& args, const WorkList& work, const AdamHyper& h,
-                      int32_t* counter, bool single_launch);
-std::string sgd_step(int device, uintptr_t stream, const StepArgs& args, const WorkList& work, const SgdHyper& h,
-                     int32_t* counter, bool single_launch);
-
-// Lion (lion.cu): one moment, args.state1 = exp_avg.
-struct LionHyper {
-  double beta1, beta2, weight_decay, max_norm;
-  bool maximize;
-};
-std::string lion_step(int device, uintptr_t stream, const StepArgs& args, const WorkList& work, const LionHyper& h,
-                      int32_t* counter, bool single_launch);
-
 // inv_scale (fp32(1 / fp64(new scale))) and skipped (+1 on overflow) are optional outputs (null: none).
 std::string update_scale(int device, uintptr_t stream, float* scale, int32_t* growth_tracker, const float* found_inf,
                          double growth_factor, double backoff_factor, int64_t growth_interval, float* inv_scale,
                          int64_t* skipped);
-
-// ---- Adafactor (adafactor.cu): one cooperative launch over tiles of every parameter -----------------------
-// A table row (ampfused/ops/native_adafactor.py, as the CPU module's): param, grad, numel (kNoGrad without a
-// gradient), offset in master, offset in factors, ndim, kAfMaxDims sizes, kAfMaxDims strides (elements). After
-// the count rows, count + 1 rows of kAfInfo (native_adafactor.tiles): first tile, rows per band of a matrix
-// (elements per span of a vector), offset of its column partial sums in scratch, first column item.
-constexpr int kAfMaxDims = 8;
-constexpr int kAfCols = 6 + 2 * kAfMaxDims;
-constexpr int kAfInfo = 4;
-
-struct AfCudaHyper {
-  double beta2_decay, eps1, eps2, d, weight_decay, max_norm;
-  float eps1_sq;
-  bool maximize;
-  float* factors;  // fp32, factor_layout of the parameters' shapes
-  int64_t num_tiles, num_items, num_colparts, col_chunk;
-  double* scratch;  // num_colparts column partial sums, then per tile: w*w, new row factors, u*u
-};
-
-// args.table is unused (the Adafactor table is `table`); args.count its rows.
-std::string adafactor_step(int device, uintptr_t stream, const int64_t* table, const StepArgs& args,
-                           const AfCudaHyper& h);
 
 }  // namespace cuda
 }  // namespace ampfused

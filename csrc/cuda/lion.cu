@@ -1,9 +1,16 @@
 // Lion step (K2 and single launch) over a tensor table: the per-element math is lion_update in math.h.
+#include "ampfused/lion_math.h"
+#include "entry.h"
 #include "step.cuh"
 
 namespace ampfused {
 namespace cuda {
 namespace {
+
+struct LionHyper {
+  double beta1, beta2, weight_decay, max_norm;
+  bool maximize;
+};
 
 struct LionOp {
   using Hyper = LionHyper;
@@ -17,14 +24,18 @@ struct LionOp {
   __device__ static void apply(float g, float& w, float& m, float&, const Consts& c) { lion_update(g, w, m, c); }
 };
 
-}  // namespace
-
-std::string lion_step(int device, uintptr_t stream, const StepArgs& args, const WorkList& work, const LionHyper& h,
-                      int32_t* counter, bool single_launch) {
-  return launch_step<LionOp>(device, stream, args, work, h, counter, single_launch);
+// One moment: args.state1 is exp_avg.
+std::string lion_step(const StepPack& p) {
+  const WorkList w = flat_work(p);
+  const LionHyper h{p.h(0), p.h(1), p.h(2), p.h(3), p.flag(4)};
+  return launch_step<LionOp>(device_of(p), stream_of(p), p.args, w, h, counter_of(p), single_launch_of(p));
 }
 
 std::string prepare_lion(int device) { return prepare_step<LionOp>(device); }
+
+}  // namespace
+
+AMPFUSED_CUDA_STEP("lion_step_", lion_step, prepare_lion, "beta1", "beta2", "weight_decay", "max_norm", "maximize");
 
 }  // namespace cuda
 }  // namespace ampfused

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ampfused/build_id.h"
+#include "entry.h"
 #include "launch.h"
 
 #ifndef AMPFUSED_CUDA_ARCHS
@@ -61,105 +62,17 @@ void norm_check_work(uintptr_t table, uintptr_t columns, int64_t num_columns, in
                               first_col, grad_dtype, addr<const float>(inv_scale), addr<float>(partials), P));
 }
 
-// What the launch relies on beyond the checks in ampfused/ops/cuda.py (which run first).
-cuda::WorkList work_list(const StepArgs& a, uintptr_t chunks, int64_t num_chunks, uintptr_t columns,
-                         int64_t num_columns, bool single_launch) {
-  if (a.count < 0 || num_chunks < 0 || num_columns < 0) throw std::invalid_argument("negative table or work size");
-  if (a.count >= (int64_t(1) << 31)) throw std::invalid_argument("too many parameters for one step (2^31 or more)");
-  if ((a.count > 0 && a.table == nullptr) || (num_chunks > 0 && chunks == 0) || (num_columns > 0 && columns == 0)) {
-    throw std::invalid_argument("null tensor table or work list");
-  }
-  if (single_launch && a.num_partials != num_columns) {
-    throw std::invalid_argument("single_launch: partials (an output here) must have " + std::to_string(num_columns) +
-                                " columns (the partials of the step's gradients), got " +
-                                std::to_string(a.num_partials));
-  }
-  cuda::WorkList w;
-  w.chunks = addr<const int64_t>(chunks);
-  w.num_chunks = num_chunks;
-  w.columns = addr<const int64_t>(columns);
-  w.num_columns = num_columns;
-  return w;
+// The step: the entry of `op` that its .cu file registered (entry.h), over the packed call
+// (ampfused/step_pack.h); slots[table] and the work lists are device addresses (ampfused/ops/cuda.py).
+void step(const std::string& op, const std::vector<int64_t>& slots, const std::vector<double>& hyper) {
+  const cuda::CudaSteps::Entry& e = cuda::CudaSteps::find(op);
+  check(e.fn(read_step_pack(op, e.hyper, slots, hyper, -1)));
 }
 
-// The moments' storage code, and what 8-bit moments need besides their codes: the draws' seed and block scales.
-void check_state_format(const StepArgs& a, int64_t num_chunks) {
-  if (a.state_dtype != kF32 && a.state_dtype != kBF16 && a.state_dtype != kStateU8) {
-    throw std::invalid_argument("state_dtype must be 0 (fp32), 1 (bf16) or " + std::to_string(kStateU8) +
-                                " (8-bit codes), got " + std::to_string(a.state_dtype));
-  }
-  if (a.state_dtype == kStateU8 && num_chunks > 0 && (a.state1 == nullptr || a.seed == nullptr ||
-                                                      a.state_scales == nullptr || a.scale_blocks <= 0)) {
-    throw std::invalid_argument("8-bit moments need their codes, a seed and their block scales (state_scales of "
-                                "[moments, blocks], blocks > 0)");
-  }
-}
-
-void adam_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master, uintptr_t exp_avg,
-               uintptr_t exp_avg_sq, uintptr_t steps, int step_code, uintptr_t partials, int64_t P,
-               uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double beta1, double beta2,
-               double eps, double weight_decay, double max_norm, bool decoupled, bool maximize, int device,
-               uintptr_t stream, uintptr_t chunks, int64_t num_chunks, uintptr_t columns, int64_t num_columns,
-               uintptr_t counter, bool single_launch, int master_format, int state_dtype, uintptr_t seed,
-               uintptr_t state_scales, int64_t scale_blocks) {
-  const StepArgs a = step_args(table, count, param_dtype, grad_dtype, master, exp_avg, exp_avg_sq, steps, step_code,
-                               partials, P, inv_scale, lr, lr_code, out_stats, master_format, state_dtype, seed,
-                               state_scales, scale_blocks);
-  check_state_format(a, num_chunks);
-  const cuda::WorkList w = work_list(a, chunks, num_chunks, columns, num_columns, single_launch);
-  const AdamHyper h{beta1, beta2, eps, weight_decay, max_norm, decoupled, maximize, log_beta(beta1), log_beta(beta2)};
-  check(cuda::adam_step(device, stream, a, w, h, addr<int32_t>(counter), single_launch));
-}
-
-void sgd_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
-              uintptr_t momentum_buf, uintptr_t steps, int step_code, uintptr_t partials, int64_t P,
-              uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double momentum, double dampening,
-              double weight_decay, bool nesterov, double max_norm, bool maximize, int device, uintptr_t stream,
-              uintptr_t chunks, int64_t num_chunks, uintptr_t columns, int64_t num_columns, uintptr_t counter,
-              bool single_launch, int master_format, int state_dtype, uintptr_t seed, uintptr_t state_scales,
-              int64_t scale_blocks) {
-  const StepArgs a = step_args(table, count, param_dtype, grad_dtype, master, momentum != 0.0 ? momentum_buf : 0, 0,
-                               steps, step_code, partials, P, inv_scale, lr, lr_code, out_stats, master_format,
-                               state_dtype, seed, state_scales, scale_blocks);
-  check_state_format(a, num_chunks);
-  const cuda::WorkList w = work_list(a, chunks, num_chunks, columns, num_columns, single_launch);
-  const SgdHyper h{momentum, dampening, weight_decay, max_norm, nesterov, maximize};
-  check(cuda::sgd_step(device, stream, a, w, h, addr<int32_t>(counter), single_launch));
-}
-
-void lion_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master, uintptr_t exp_avg,
-               uintptr_t steps, int step_code, uintptr_t partials, int64_t P, uintptr_t inv_scale, uintptr_t lr,
-               int lr_code, uintptr_t out_stats, double beta1, double beta2, double weight_decay, double max_norm,
-               bool maximize, int device, uintptr_t stream, uintptr_t chunks, int64_t num_chunks, uintptr_t columns,
-               int64_t num_columns, uintptr_t counter, bool single_launch, int master_format, int state_dtype,
-               uintptr_t seed, uintptr_t state_scales, int64_t scale_blocks) {
-  const StepArgs a = step_args(table, count, param_dtype, grad_dtype, master, exp_avg, 0, steps, step_code, partials, P,
-                               inv_scale, lr, lr_code, out_stats, master_format, state_dtype, seed, state_scales,
-                               scale_blocks);
-  check_state_format(a, num_chunks);
-  const cuda::WorkList w = work_list(a, chunks, num_chunks, columns, num_columns, single_launch);
-  const cuda::LionHyper h{beta1, beta2, weight_decay, max_norm, maximize};
-  check(cuda::lion_step(device, stream, a, w, h, addr<int32_t>(counter), single_launch));
-}
-
-// Adafactor (adafactor.cu): `table` the device address of its rows (kAfCols int64 each), then its tile layout
-// (count + 1 rows of kAfInfo: ampfused/ops/native_adafactor.py, tiles); `scratch` fp64, num_colparts + 3 * num_tiles.
-void adafactor_step(uintptr_t table, int64_t count, int param_dtype, int grad_dtype, uintptr_t master,
-                    uintptr_t factors, uintptr_t steps, int step_code, uintptr_t partials, int64_t P,
-                    uintptr_t inv_scale, uintptr_t lr, int lr_code, uintptr_t out_stats, double beta2_decay,
-                    double eps1, double eps2, double d, double weight_decay, double max_norm, bool maximize,
-                    int device, uintptr_t stream, int master_format, uintptr_t seed, int64_t num_tiles,
-                    int64_t num_items, int64_t num_colparts, uintptr_t scratch, int64_t col_chunk) {
-  if (num_tiles < 0 || num_items < 0 || num_colparts < 0 || col_chunk < 1) {
-    throw std::invalid_argument("adafactor_step: a negative tile count or a column chunk below 1");
-  }
-  const StepArgs a = step_args(0, count, param_dtype, grad_dtype, master, 0, 0, steps, step_code, partials, P,
-                               inv_scale, lr, lr_code, out_stats, master_format, 0, seed);
-  if (master_format == kMasterNone && seed == 0) throw std::invalid_argument("stochastic rounding needs a seed");
-  const cuda::AfCudaHyper h{beta2_decay, eps1, eps2, d, weight_decay, max_norm, float(eps1 * eps1), maximize,
-                            addr<float>(factors), num_tiles, num_items, num_colparts, col_chunk,
-                            addr<double>(scratch)};
-  check(cuda::adafactor_step(device, stream, addr<const int64_t>(table), a, h));
+py::dict step_ops() {
+  py::dict d;
+  for (const cuda::CudaSteps::Entry& e : cuda::CudaSteps::entries()) d[py::str(e.op)] = e.hyper;
+  return d;
 }
 
 void update_scale_op(uintptr_t scale, uintptr_t growth_tracker, uintptr_t found_inf, double growth_factor,
@@ -199,34 +112,14 @@ PYBIND11_MODULE(_C_cuda, m) {
   m.def("num_partials", &num_partials, py::arg("numels"));
   m.def("norm_check", &norm_check);
   m.def("norm_check_work", &norm_check_work);
-  // the compact state's arguments (master format, state dtype code, seed address; the 8-bit moments' block scales
-  // address and their blocks per row) come last and default to the fp32 state
-  m.def("adam_step", &adam_step, py::arg("table"), py::arg("count"), py::arg("param_dtype"), py::arg("grad_dtype"),
-        py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("steps"), py::arg("step_code"),
-        py::arg("partials"), py::arg("num_partials"), py::arg("inv_scale"), py::arg("lr"), py::arg("lr_code"),
-        py::arg("out_stats"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("max_norm"), py::arg("decoupled"), py::arg("maximize"), py::arg("device"), py::arg("stream"),
-        py::arg("chunks"), py::arg("num_chunks"), py::arg("columns"), py::arg("num_columns"), py::arg("counter"),
-        py::arg("single_launch"), py::arg("master_format") = 0, py::arg("state_dtype") = 0,
-        py::arg("seed") = uintptr_t(0), py::arg("state_scales") = uintptr_t(0), py::arg("scale_blocks") = int64_t(0));
-  m.def("sgd_step", &sgd_step, py::arg("table"), py::arg("count"), py::arg("param_dtype"), py::arg("grad_dtype"),
-        py::arg("master"), py::arg("momentum_buf"), py::arg("steps"), py::arg("step_code"), py::arg("partials"),
-        py::arg("num_partials"), py::arg("inv_scale"), py::arg("lr"), py::arg("lr_code"), py::arg("out_stats"),
-        py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"), py::arg("max_norm"),
-        py::arg("maximize"), py::arg("device"), py::arg("stream"), py::arg("chunks"), py::arg("num_chunks"),
-        py::arg("columns"), py::arg("num_columns"), py::arg("counter"), py::arg("single_launch"),
-        py::arg("master_format") = 0, py::arg("state_dtype") = 0, py::arg("seed") = uintptr_t(0),
-        py::arg("state_scales") = uintptr_t(0), py::arg("scale_blocks") = int64_t(0));
-  m.def("lion_step", &lion_step, py::arg("table"), py::arg("count"), py::arg("param_dtype"), py::arg("grad_dtype"),
-        py::arg("master"), py::arg("exp_avg"), py::arg("steps"), py::arg("step_code"), py::arg("partials"),
-        py::arg("num_partials"), py::arg("inv_scale"), py::arg("lr"), py::arg("lr_code"), py::arg("out_stats"),
-        py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"), py::arg("max_norm"), py::arg("maximize"),
-        py::arg("device"), py::arg("stream"), py::arg("chunks"), py::arg("num_chunks"), py::arg("columns"),
-        py::arg("num_columns"), py::arg("counter"), py::arg("single_launch"), py::arg("master_format") = 0,
-        py::arg("state_dtype") = 0, py::arg("seed") = uintptr_t(0), py::arg("state_scales") = uintptr_t(0),
-        py::arg("scale_blocks") = int64_t(0));
-  m.attr("AF_COLS") = cuda::kAfCols;
-  m.attr("AF_INFO") = cuda::kAfInfo;
-  m.def("adafactor_step", &adafactor_step);
+  m.attr("STEP_SLOTS") = step_slot_names();
+  m.def("step", &step, py::arg("op"), py::arg("slots"), py::arg("hyper"),
+        "enqueue the step op `op` over a packed call (ampfused/step_pack.h)");
+  m.def("step_ops", &step_ops, "{op: the hyperparameters its entry reads, in order}");
+  m.def("step_constants", [] {
+    py::dict d;
+    for (const auto& kv : step_constants()) d[py::str(kv.first)] = kv.second;
+    return d;
+  });
   m.def("update_scale", &update_scale_op);
 }

@@ -4,6 +4,7 @@
 // (nothing to allocate or copy, so it can be captured in a graph). Each block computes one partial
 // of one tensor: a bounded grid (at most kMaxPartials blocks per tensor) with no atomics.
 #include "common.cuh"
+#include "entry.h"
 
 namespace ampfused {
 namespace cuda {
@@ -107,11 +108,12 @@ std::string prepare_norm(int device) {
 }
 
 std::string prepare(int device) {
-  for (auto f : {prepare_norm, prepare_adam, prepare_sgd, prepare_lion, prepare_adafactor}) {
-    const std::string err = f(device);
-    if (!err.empty()) return err;
+  std::string err = prepare_norm(device);
+  for (PrepareFn f : step_prepares()) {
+    if (!err.empty()) break;
+    err = f(device);
   }
-  return "";
+  return err;
 }
 
 std::string device_status() {

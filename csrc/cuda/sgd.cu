@@ -1,4 +1,5 @@
 // SGD step (K2 and single launch) over a tensor table: the per-element math is sgd_update in math.h.
+#include "entry.h"
 #include "step.cuh"
 
 namespace ampfused {
@@ -16,14 +17,20 @@ struct SgdOp {
   __device__ static void apply(float g, float& w, float& b, float&, const Consts& c) { sgd_update(g, w, b, c); }
 };
 
-}  // namespace
-
-std::string sgd_step(int device, uintptr_t stream, const StepArgs& args, const WorkList& work, const SgdHyper& h,
-                    int32_t* counter, bool single_launch) {
-  return launch_step<SgdOp>(device, stream, args, work, h, counter, single_launch);
+std::string sgd_step(const StepPack& pack) {
+  const WorkList w = flat_work(pack);
+  const SgdHyper h{pack.h(0), pack.h(1), pack.h(2), pack.h(4), pack.flag(3), pack.flag(5)};
+  StepArgs a = pack.args;
+  if (h.momentum == 0.0) a.state1 = nullptr;  // no buffer is read or written without momentum
+  return launch_step<SgdOp>(device_of(pack), stream_of(pack), a, w, h, counter_of(pack), single_launch_of(pack));
 }
 
 std::string prepare_sgd(int device) { return prepare_step<SgdOp>(device); }
+
+}  // namespace
+
+AMPFUSED_CUDA_STEP("sgd_step_", sgd_step, prepare_sgd, "momentum", "dampening", "weight_decay", "nesterov",
+                   "max_norm", "maximize");
 
 }  // namespace cuda
 }  // namespace ampfused

@@ -1,6 +1,8 @@
-// Lion's per-element math (reference.lion_step_), shared by the CPU and CUDA drivers. Included at the end of
-// math.h, whose conversions and AF_HD it uses; include math.h, not this file.
+// Lion's per-element math (reference.lion_step_), shared by its CPU and CUDA drivers (csrc/cpu/steps/lion.h,
+// csrc/cuda/lion.cu), on math.h's conversions and AF_HD.
 #pragma once
+
+#include "ampfused/math.h"
 
 namespace ampfused {
 

@@ -474,6 +474,3 @@ AF_HD void add_one(void* p, int code) {
 }
 
 }  // namespace ampfused
-
-// Lion's per-element math, in a file of its own (it uses only what is above)
-#include "ampfused/lion_math.h"

@@ -6,12 +6,15 @@
 //   3. the update of the weights, stored in the step's master format.
 // Sums are fp64 in a fixed order (rows in order, each row's elements in order; each column's rows in order), so
 // the result is the same whatever the thread count. Elementwise operations are fp32, each rounded as written.
-// Included by module.cpp (one build, not per instruction set: the step is bound by its reductions' order).
-#pragma once
+// One build, not one per instruction set (the step is bound by its reductions' order): only the default set's
+// object compiles it; its entry serves every set. Included by kernels_impl.h; not a header of its own.
+#if defined(AMPFUSED_ISA_DEFAULT)
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -274,5 +277,39 @@ inline void adafactor_apply(const AfBufs& b, const int64_t* rows, int64_t count,
   });
 }
 
+namespace {
+
+void adafactor_step(const StepPack& p) {
+  const StepArgs& a = p.args;
+  if (p.table_ints != a.count * kAfCols) {
+    throw std::invalid_argument("the Adafactor table must hold " + std::to_string(kAfCols) + " ints per parameter");
+  }
+  const double beta2_decay = p.h(0), eps1 = p.h(1), eps2 = p.h(2), d = p.h(3), weight_decay = p.h(4),
+               max_norm = p.h(5);
+  const bool maximize = p.flag(6);
+  float coef;
+  if (!prologue(a, max_norm, &coef)) return;
+  const AfHyper h{beta2_decay, eps1, eps2, d, weight_decay, read_scalar(a.lr, a.lr_code), float(eps1 * eps1),
+                  maximize};
+  const AfBufs b{a.param_dtype, a.grad_dtype, a.master_format, a.master, a.state1, a.seed ? uint64_t(*a.seed) : 0};
+  std::vector<double> t(size_t(a.count), 0.0);
+  for (int64_t k = 0; k < a.count; ++k) {
+    t[size_t(k)] = next_step(read_scalar(scalar_at(a.steps, a.step_code, k), a.step_code));
+  }
+  adafactor_apply(b, a.table, a.count, t.data(), coef, h, threads_of(p));
+  for (int64_t k = 0; k < a.count; ++k) {
+    if (a.table[k * kAfCols + 2] != kNoGrad) add_one(scalar_at(a.steps, a.step_code, k), a.step_code);
+  }
+}
+
+}  // namespace
+
+AMPFUSED_STEP_ENTRY(CpuSteps, "adafactor_step_", "", adafactor_step, "beta2_decay", "eps1", "eps2", "d",
+                    "weight_decay", "max_norm", "maximize");
+AMPFUSED_STEP_CONSTANT(AF_COLS, kAfCols);
+AMPFUSED_STEP_CONSTANT(AF_MAX_DIMS, kAfMaxDims);
+
 }  // namespace cpu
 }  // namespace ampfused
+
+#endif  // AMPFUSED_ISA_DEFAULT

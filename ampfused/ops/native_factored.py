@@ -1,8 +1,9 @@
-"""The tables of the native and Triton Adafactor steps (``csrc/cpu/adafactor.h``; CUDA: ``csrc/cuda/adafactor.cu``;
-``triton_kernels/adafactor.py``), and the rules the native code relies on. A table is one row of ``AF_COLS`` ints
-per parameter: param and grad addresses, numel (``NO_GRAD`` without a gradient), the offset of its weights in
-``master`` and of its state in ``factors``, its number of dimensions, then ``AF_MAX_DIMS`` sizes and
-``AF_MAX_DIMS`` strides (elements). The cuda backend also reads a tile layout of the table (:func:`tiles`)."""
+"""The table of a factored-state step (``layout="factored"`` in its record: each matrix's second moment kept as
+row and column factors, each other parameter's whole) that the native and Triton kernels read, and the rules their
+code relies on. A table is one row of ``AF_COLS`` ints per parameter: param and grad addresses, numel (``NO_GRAD``
+without a gradient), the offset of its weights in ``master`` and of its state in ``factors``, its number of
+dimensions, then ``AF_MAX_DIMS`` sizes and ``AF_MAX_DIMS`` strides (elements); the modules' constants of the same
+names (``step_constants()``) say so too. The cuda backend also reads a tile layout of the table (:func:`tiles`)."""
 from __future__ import annotations
 
 import math
@@ -17,7 +18,7 @@ from .reference import state_layout
 from .reference_adafactor import factor_layout
 
 AF_MAX_DIMS = 8
-AF_COLS = 6 + 2 * AF_MAX_DIMS  # (csrc/cpu/adafactor.h, csrc/cuda/launch.h: kAfCols)
+AF_COLS = 6 + 2 * AF_MAX_DIMS  # the modules' kAfCols (step_constants()["AF_COLS"])
 
 
 def table(params: List[Tensor], grads: List[Optional[Tensor]]) -> List[int]:
@@ -43,7 +44,7 @@ AF_INFO = 4  # ints per row of the tile layout
 
 
 def tiles(params: List[Tensor], grads: List[Optional[Tensor]], tile_elems: Optional[int] = None) -> tuple:
-    """The tile layout of the cuda backend's Adafactor step: ``(info, tiles, column items, partials)``. ``info``
+    """The tile layout of the cuda backend's factored step: ``(info, tiles, column items, partials)``. ``info``
     holds, for each parameter and one past the last, its first tile, the rows of its bands (a vector: the
     elements of its spans), the offset of its column partial sums (fp64, a band's C in a row) and its first column
     item; a parameter without a gradient has none. ``partials``: the length of the column partial sums."""

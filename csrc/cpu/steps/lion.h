@@ -1,6 +1,11 @@
-// The CPU driver of Lion (math.h: lion_update): its fp32-state loop and its compact-state step through
-// compact_apply. Included by kernels_impl.h inside its namespaces (one copy per instruction set), after the
-// helpers it uses; not a header of its own.
+// Lion on the CPU (lion_math.h: lion_update; reference.lion_step_): its fp32-state loop, its compact-state step
+// through compact_apply, and the step entry.
+// Included by kernels_impl.h after its helpers (one object per instruction set); not a header of its own.
+#include "ampfused/lion_math.h"
+
+namespace ampfused {
+namespace cpu {
+namespace AMPFUSED_ISA {
 
 namespace {
 
@@ -21,8 +26,6 @@ void lion_range(const StepBufs& b, const StepTensor& t, const LionConsts& consts
   if (kMaster) store_range(static_cast<P*>(t.param), lo, hi, stream, update);
   else update_range(lo, hi, update);
 }
-
-}  // namespace
 
 void lion_apply(const StepBufs& b, const StepTensor* ts, const LionConsts* c, int64_t count, int nthreads) {
   if (is_compact(b)) {
@@ -45,3 +48,20 @@ void lion_apply(const StepBufs& b, const StepTensor* ts, const LionConsts* c, in
     });
   });
 }
+
+void lion_step(const StepPack& p) {
+  const double beta1 = p.h(0), beta2 = p.h(1), weight_decay = p.h(2), max_norm = p.h(3);
+  const bool maximize = p.flag(4);
+  // the step count is not in Lion's math (it keys only the stochastic rounding's draws)
+  run_step<LionConsts>(p, max_norm, [&](float coef, float lr, double) {
+    return make_lion_consts(coef, lr, beta1, beta2, weight_decay, maximize);
+  }, lion_apply);
+}
+
+}  // namespace
+
+AMPFUSED_CPU_STEP("lion_step_", lion_step, "beta1", "beta2", "weight_decay", "max_norm", "maximize");
+
+}  // namespace AMPFUSED_ISA
+}  // namespace cpu
+}  // namespace ampfused
