@@ -128,3 +128,30 @@ def test_grad_divisor_after_unscale_is_an_error(fused):
     with pytest.raises(ValueError, match=r"grad_divisor was given to step\(\) after unscale_\(\)"):
         s.step(opt, grad_divisor=2)
     assert torch.equal(p.detach(), torch.ones(4))
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_grad_divisor_after_a_clip_divides_the_clipped_gradients(optim):
+    """``clip_grad_norm_`` on the gradients as they are, then ``step(grad_divisor=d)`` without a scaler: the step
+    divides what the clip left, as torch's clip followed by a division of the gradients does (the divisor was
+    ignored when the step reused the clip's measurement)."""
+    def run(fused: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        opt = (ampfused.FusedSGD if optim == "sgd" else ampfused.FusedAdamW)(model.parameters(), lr=0.1) if fused \
+            else (torch.optim.SGD if optim == "sgd" else torch.optim.AdamW)(model.parameters(), lr=0.1)
+        model(torch.randn(3, 8)).pow(2).sum().backward()
+        clip = ampfused.clip_grad_norm_ if fused else torch.nn.utils.clip_grad_norm_
+        norm = clip(model.parameters(), 0.5)
+        if fused:
+            opt.step(grad_divisor=4.0)
+        else:
+            for p in model.parameters():
+                p.grad /= 4.0
+            opt.step()
+        return norm, [p.detach().clone() for p in model.parameters()]
+
+    (norm, ours), (norm_t, theirs) = run(True), run(False)
+    torch.testing.assert_close(norm, norm_t)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

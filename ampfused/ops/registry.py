@@ -1,7 +1,8 @@
 """Backend registry: which implementation of the ops runs for given tensors.
 
-A backend is an object with the op functions of :mod:`ampfused.ops.reference` (same signatures) plus
-capability attributes and :meth:`Backend.not_supported_reasons`. Dispatch takes the first backend in the
+A backend is an object with K1 and the scale update of :mod:`ampfused.ops.reference` (same signatures), one
+:meth:`Backend.step` for every step op (or a method per step op, in the reference's signature, which the default
+``step`` calls), capability attributes and :meth:`Backend.not_supported_reasons`. Dispatch takes the first backend in the
 device's priority list that supports the inputs. A backend named by the caller (``backend=`` or the
 ``AMPFUSED_BACKEND`` environment variable) is used or refused with every reason: never a silent fallback.
 """

@@ -214,7 +214,10 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         given_inv = _on(getattr(self, "_ampfused_inv_scale", None), self._device)  # ampfused.GradScaler's 1/scale
         found_inf = _on(getattr(self, "found_inf", None), self._device)
         if owed.partials is not None:
-            partials, inv_scale = owed.partials, self._one  # gradients were unscaled (and measured) already
+            # the gradients were measured (by a clip) or unscaled and measured already: the partials are theirs, and
+            # a divisor given to this step divides what it reads (after a clip: clipped, then divided, as torch's
+            # clip_grad_norm_ followed by a division of the gradients would)
+            partials, inv_scale = owed.partials, self._divide(self._one, grad_divisor)
         else:
             if grad_scale is not None:
                 # as torch's unscale_ forms it; ampfused.GradScaler hands it over already formed
