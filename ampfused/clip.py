@@ -173,7 +173,7 @@ def _scale_grads_(grads: List[Tensor], coef: Tensor) -> None:
 def _fold_into_owner(params: List[Tensor], max_norm: float, norm_type: float,
                      error_if_nonfinite: bool) -> Optional[Tensor]:
     """If ``params`` are exactly the parameters of one fused optimizer, let it fold the clip into its step."""
-    from .optim._follow import owner_of
+    from .optim._segments import owner_of
     owner = None
     for p in params:
         o = owner_of(p)

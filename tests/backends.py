@@ -34,7 +34,7 @@ def set_grad(p, value):
 def snapshot(opt, params):
     """Copies of everything a fused optimizer step may change: params, step counts, states, masters."""
     out = [p.detach().clone() for p in params]
-    for seg in opt._segments:
+    for seg in opt._segs.segments:
         out += [seg.steps.clone()] + [t.clone() for t in seg.states.values()]
         if seg.master is not None:
             out.append(seg.master.clone())

@@ -84,11 +84,11 @@ def test_scaler_clip_skip_and_divisor():
         if k == 2:
             scaled[0][1, 1] = math.inf
         _set(ps, scaled)
-        before = [t.detach().clone() for t in ps] + [s.states["factors"].clone() for s in fopt._segments]
+        before = [t.detach().clone() for t in ps] + [s.states["factors"].clone() for s in fopt._segs.segments]
         scaler.step(fopt, grad_divisor=4)
         scaler.update()
         if k == 2:
-            for a, b in zip(before, [t.detach() for t in ps] + [s.states["factors"] for s in fopt._segments]):
+            for a, b in zip(before, [t.detach() for t in ps] + [s.states["factors"] for s in fopt._segs.segments]):
                 assert_bitwise("after a skipped step", a, b)
             continue
         _set(tp, grads)
@@ -116,7 +116,7 @@ def test_remainders_are_the_fp32_master_run_and_sr_stays_close(backend):
         from ampfused.ops import state_precision as sp
         joined = sp.join_master(b.detach(), orr.state[b]["master_remainder"])
         assert_bitwise("master", joined, of.state[a]["master_param"])
-    assert_bitwise("factors", orr._segments[0].states["factors"], of._segments[0].states["factors"])
+    assert_bitwise("factors", orr._segs.segments[0].states["factors"], of._segs.segments[0].states["factors"])
     for a, b in zip(pf, psr):
         assert "master_param" not in osr.state[b]
         torch.testing.assert_close(b.float(), a.float(), rtol=0.05, atol=0.02)
@@ -139,7 +139,7 @@ def test_state_dict_resume_is_bitwise_and_loads_into_torch():
         _set(qs, g)
         opt.step()
         opt2.step()
-    for a, b in zip(ps + [opt._segments[0].states["factors"]], qs + [opt2._segments[0].states["factors"]]):
+    for a, b in zip(ps + [opt._segs.segments[0].states["factors"]], qs + [opt2._segs.segments[0].states["factors"]]):
         assert_bitwise("resumed", a.detach(), b.detach())
     t = torch.optim.Adafactor([p.detach().float().requires_grad_() for p in ps], weight_decay=0.1)
     t.load_state_dict(copy.deepcopy(opt.state_dict()))
@@ -155,14 +155,14 @@ def test_bad_state_dict_changes_nothing():
     opt.step()
     sd = copy.deepcopy(opt.state_dict())
     sd["state"][0]["row_var"] = torch.zeros(4, 1)
-    before = opt._segments[0].states["factors"].clone()
+    before = opt._segs.segments[0].states["factors"].clone()
     with pytest.raises(ValueError, match=r"'row_var' of parameter 0 must have shape \(9, 1\)"):
         opt.load_state_dict(sd)
     del sd["state"][1]["col_var"]
     sd["state"][0]["row_var"] = torch.zeros(9, 1)
     with pytest.raises(ValueError, match="parameter 1 lacks 'col_var'"):
         opt.load_state_dict(sd)
-    assert_bitwise("factors", opt._segments[0].states["factors"], before)
+    assert_bitwise("factors", opt._segs.segments[0].states["factors"], before)
 
 
 def test_errors_as_torch():

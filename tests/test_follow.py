@@ -259,7 +259,7 @@ def test_state_assigned_by_a_framework_is_what_the_optimizer_uses():
     opt.state[w]["exp_avg"] = torch.full_like(w, 0.5, dtype=torch.float32)
     opt.state[w] = {k: v.clone() for k, v in opt.state[w].items()}
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], torch.full(w.shape, 0.5))
-    assert opt.state[w]["exp_avg"].data_ptr() == opt._segments[0].view(opt._segments[0].states["exp_avg"], 0).data_ptr()
+    assert opt.state[w]["exp_avg"].data_ptr() == opt._segs.segments[0].view(opt._segs.segments[0].states["exp_avg"], 0).data_ptr()
 
 
 def test_a_parameter_that_changed_shape_is_refused_before_any_change():
@@ -326,7 +326,7 @@ def test_a_backend_forced_for_the_parameters_new_form_runs_the_step_that_follows
         p.grad = g
     opt.step()
     assert BACKEND.calls == [(torch.float32,) * len(params)]
-    assert [s.dtype for s in opt._segments] == [torch.float32]
+    assert [s.dtype for s in opt._segs.segments] == [torch.float32]
     assert all(opt.state[p]["step"].item() == 2 for p in params)
     # a backend that cannot run the parameters as they are is still refused, naming the rule
     model.to(torch.bfloat16)

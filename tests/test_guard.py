@@ -112,7 +112,7 @@ def test_grad_divisor_bad_input():
         opt.step(grad_divisor=0)
     with pytest.raises(ValueError, match="grad_divisor must be a number or a 1-element"):
         opt.step(grad_divisor=torch.ones(2))
-    assert not opt.state and all(not any(seg.has_state) for seg in opt._segments)
+    assert not opt.state and all(not any(seg.has_state) for seg in opt._segs.segments)
 
 
 @pytest.mark.parametrize("how", ["module", "named_parameters"])
@@ -192,4 +192,4 @@ def test_bad_divisor_changes_nothing_even_after_unscale():
     partials = opt._clip_state.partials
     with pytest.raises(ValueError, match="grad_divisor must be a positive finite number"):
         opt.step(grad_divisor=-1.0)
-    assert opt._clip_state.partials is partials and opt._segments[0].steps.tolist() == [0.0]
+    assert opt._clip_state.partials is partials and opt._segs.segments[0].steps.tolist() == [0.0]

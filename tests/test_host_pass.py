@@ -11,7 +11,7 @@ import torch
 import ampfused
 from ampfused import _native
 from ampfused.ops import native_args
-from ampfused.optim import _gradients
+from ampfused.optim import _segments
 from backends import cpu_backends
 from oracle import assert_bitwise
 
@@ -48,13 +48,13 @@ class _Counting:
 def counting(monkeypatch):
     mod = _native.module("host")
     spy = _Counting(mod)
-    monkeypatch.setattr(_gradients, "_HOST", spy)
+    monkeypatch.setattr(_segments, "_HOST", spy)
     return spy
 
 
 @pytest.fixture
 def python_path(monkeypatch):
-    monkeypatch.setattr(_gradients, "_HOST", None)
+    monkeypatch.setattr(_segments, "_HOST", None)
 
 
 class _ToFloat(torch.nn.Module):
@@ -112,7 +112,7 @@ def _assert_same_run(a, b):
 def test_the_host_pass_takes_the_python_paths_step(kind, set_to_none, counting, monkeypatch):
     fast = _train(kind, set_to_none=set_to_none)
     assert counting.statuses.count(0) >= 5 * 2, counting.statuses  # the warm steps took it, both segments
-    monkeypatch.setattr(_gradients, "_HOST", None)
+    monkeypatch.setattr(_segments, "_HOST", None)
     _assert_same_run(fast, _train(kind, set_to_none=set_to_none))
 
 
@@ -122,7 +122,7 @@ def test_the_host_pass_takes_the_python_paths_step(kind, set_to_none, counting, 
 def test_the_host_pass_feeds_the_triton_kernels_as_the_python_path_does(kind, counting, monkeypatch):
     fast = _train(kind, steps=4, inject_inf_at=2, backend="triton")
     assert counting.statuses.count(0) >= 3 * 2, counting.statuses
-    monkeypatch.setattr(_gradients, "_HOST", None)
+    monkeypatch.setattr(_segments, "_HOST", None)
     _assert_same_run(fast, _train(kind, steps=4, inject_inf_at=2, backend="triton"))
 
 
@@ -132,7 +132,7 @@ def test_fresh_gradients_of_the_same_sizes_step_triton_as_the_python_path(counti
     """Every gradient a new tensor, every size the same: the plans keep their chunk lists and take new tables
     (a table uploaded alone), and the run is the Python path's bit for bit."""
     fast = _train("adamw", steps=4, inject_inf_at=2, backend="triton", toggle=False)
-    monkeypatch.setattr(_gradients, "_HOST", None)
+    monkeypatch.setattr(_segments, "_HOST", None)
     _assert_same_run(fast, _train("adamw", steps=4, inject_inf_at=2, backend="triton", toggle=False))
 
 
@@ -179,7 +179,7 @@ def test_the_host_pass_feeds_the_gpu_kernels_as_the_python_path_does(kind, backe
         pytest.skip(f"backend {backend} not available on cuda")
     fast = _train(kind, steps=6, inject_inf_at=3, backend=backend, device="cuda")
     assert counting.statuses.count(0) >= 4 * 2, counting.statuses
-    monkeypatch.setattr(_gradients, "_HOST", None)
+    monkeypatch.setattr(_segments, "_HOST", None)
     _assert_same_run(fast, _train(kind, steps=6, inject_inf_at=3, backend=backend, device="cuda"))
 
 
@@ -273,7 +273,7 @@ def test_copies_keep_tables_of_their_own(counting):
         opt.step()
         opt.zero_grad()
     model2, opt2 = copy.deepcopy((model, opt))
-    seg, seg2 = opt._segments[0], opt2._segments[0]
+    seg, seg2 = opt._segs.segments[0], opt2._segs.segments[0]
     assert seg.table_address != seg2.table_address and seg.record_address != seg2.record_address
     for _ in range(2):  # the copy's first step sees new addresses (the Python path follows), then its own
         for m, o in ((model, opt), (model2, opt2)):
@@ -323,7 +323,7 @@ def test_the_cuda_backends_table_entries_hand_its_kernels_the_rows_of_its_list_e
         p.grad = torch.randn_like(p)
     opt.step()
     params[1].grad = None
-    seg = opt._segments[0]
+    seg = opt._segs.segments[0]
     status, _, active, _, _ = _native.module("host").scan(seg.params, seg.record_address, seg.table_address, 1)
     assert (status, active) == (0, 2)
     grads = [p.grad for p in params]
@@ -420,7 +420,7 @@ def test_the_cuda_backends_cached_work_keeps_no_staging_buffer(monkeypatch):
         for p in params:
             p.grad = torch.randn_like(p)  # fresh gradients: a changed table each time
         opt.step()
-        seg = opt._segments[0]
+        seg = opt._segs.segments[0]
         partials = backend.norm_check_tables([(seg.table_address, len(seg), seg.dtype, seg.table)], 0, inv)
         backend.step(_table_call(seg, opt, partials, inv))
     assert len(watch.handed_out) == 3 and watch.kept() == 0
@@ -441,7 +441,7 @@ def test_the_scan_says_what_changed_in_the_table():
         p.grad = torch.randn_like(p)
     opt = ampfused.FusedAdamW(params, lr=0.1, backend="cpu")
     opt.step()
-    seg = opt._segments[0]
+    seg = opt._segs.segments[0]
     seg.table[:, :3] = 0  # as the segment was built
 
     def scan():
@@ -458,17 +458,17 @@ def test_the_scan_says_what_changed_in_the_table():
     stamps = seg.stamps
     for p in params:
         p.grad = torch.randn_like(p)
-    opt._scan()
+    opt._segs.scan(opt)
     assert seg.stamps[0] != stamps[0] and seg.stamps[1] != stamps[1]  # a gradient appeared
     stamps = seg.stamps
     params[0].grad = torch.randn_like(params[0])
-    opt._scan()
+    opt._segs.scan(opt)
     assert seg.stamps[0] != stamps[0] and seg.stamps[1] == stamps[1]  # new addresses, the same sizes
     stamps = seg.stamps
-    opt._scan()
+    opt._segs.scan(opt)
     assert seg.stamps == stamps
     params[2].grad = torch.randn(10)[::2]  # strided: the scan stops at it, rows 0 and 1 written
-    assert opt._scan() is None and seg.stamps[0] != stamps[0] and seg.stamps[1] != stamps[1]
+    assert opt._segs.scan(opt) is None and seg.stamps[0] != stamps[0] and seg.stamps[1] != stamps[1]
 
 
 @needs_host
@@ -486,7 +486,7 @@ def test_fresh_gradients_upload_the_table_alone_on_the_cuda_backend(monkeypatch)
 
     def step():
         opt.step()  # (the cpu backend's step: it writes the table the cuda entries read)
-        seg = opt._segments[0]
+        seg = opt._segs.segments[0]
         calls.clear()
         backend.norm_check_tables([(seg.table_address, len(seg), seg.dtype, seg.table, seg.stamps)], 0, inv)
         work = C._works[(0, "table", seg.table_address)]

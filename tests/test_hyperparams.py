@@ -165,7 +165,7 @@ def test_bad_sgd_momentum_set_later():
         p.grad = torch.ones_like(p)
     with pytest.raises(ValueError, match="Invalid momentum value: -0.5 in param_groups\\[0\\]"):
         opt.step()
-    assert all(not any(s.has_state) for s in opt._segments)
+    assert all(not any(s.has_state) for s in opt._segs.segments)
 
 
 @pytest.mark.parametrize("kw,msg", [

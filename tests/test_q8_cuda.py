@@ -334,7 +334,7 @@ def test_fused_optimizers_with_q8_moments_match(kind, weights):
 
     def everything(ps, opt):
         out = [(f"params[{i}]", p.detach()) for i, p in enumerate(ps)]
-        for j, seg in enumerate(opt._segments):
+        for j, seg in enumerate(opt._segs.segments):
             out += [(f"segment {j} steps", seg.steps), (f"segment {j} scales", seg.scales)]
             out += [(f"segment {j} {name}", t) for name, t in seg.states.items()]
             out += [(f"segment {j} master", seg.master)] if seg.master is not None else []

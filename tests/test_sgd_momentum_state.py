@@ -59,7 +59,7 @@ def test_no_momentum_state_until_a_step_has_momentum(mode, backend):
         _feed(ps, opt, k)
         _feed(tps, topt, k)
     assert _momentum_bytes(topt, tps) == 0 and _momentum_bytes(opt, ps) == 0
-    assert all(not seg.states and (seg.scales is None or seg.scales.numel() == 0) for seg in opt._segments)
+    assert all(not seg.states and (seg.scales is None or seg.scales.numel() == 0) for seg in opt._segs.segments)
     assert all("momentum_buffer" not in st for st in opt.state_dict()["state"].values())
 
     for g in (opt.param_groups[0], topt.param_groups[0]):  # as a scheduler would

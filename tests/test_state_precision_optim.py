@@ -46,7 +46,7 @@ def _feed(pairs, k, bad=False):
 
 def _everything(ps, opt):
     out = [p.detach().clone() for p in ps]
-    for seg in opt._segments:
+    for seg in opt._segs.segments:
         out += [seg.steps.clone()] + [t.clone() for t in seg.states.values()]
         out += [seg.master.clone()] if seg.master is not None else []
     return out
@@ -70,7 +70,7 @@ def test_remainders_keep_the_fp32_masters_bit_for_bit(backend):
             differ = p.detach().view(torch.int16) != q.detach().view(torch.int16)
             m = full[1].state[q]["master_param"]
             assert ((m.view(torch.int32) & 0xFFFF)[differ] == 0x8000).all()
-    seg = compact[1]._segments[0]
+    seg = compact[1]._segs.segments[0]
     assert seg.master.dtype == torch.int16
     assert sum(t.element_size() for t in [seg.master] + list(seg.states.values())) == 10  # bytes per parameter
 
@@ -163,7 +163,7 @@ def test_bytes_per_parameter_of_each_mode():
     for mode, n in expected.items():
         ps, opt = _adamw("reference", **COMPACT[mode])
         _feed([(ps, opt)], 0)
-        seg = opt._segments[0]
+        seg = opt._segs.segments[0]
         bufs = list(seg.states.values()) + ([seg.master] if seg.master is not None else [])
         assert sum(t.element_size() for t in bufs) == n, mode
 

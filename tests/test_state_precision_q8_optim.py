@@ -65,7 +65,7 @@ def _make(kind, backend, weights, seed=0, **extra):
 
 def _everything(ps, opt):
     out = [p.detach().clone() for p in ps]
-    for seg in opt._segments:
+    for seg in opt._segs.segments:
         out += [seg.steps.clone(), seg.scales.clone()] + [t.clone() for t in seg.states.values()]
         out += [seg.master.clone()] if seg.master is not None else []
     return out
@@ -93,7 +93,7 @@ def test_the_optimizer_step_is_the_functional_step(backend, kind, weights):
     for k in range(3):
         grads = [torch.empty_like(q).copy_(g) for q, g in zip(qs, _grads(k))]
         _feed([(ps, opt)], k)
-        seg = opt._segments[0]
+        seg = opt._segs.segments[0]
         assert seg.states[next(iter(seg.states))].dtype == U8 and seg.offsets == [0, 256, 768, 3072]
         partials = ops.norm_check(grads, one, backend=backend)
         if kind == "sgd":
@@ -180,7 +180,7 @@ def _train(backend, steps=8, **options):
 
 
 def _state_tensors(opt):
-    return [t for seg in opt._segments for t in [seg.steps, *seg.states.values()]
+    return [t for seg in opt._segs.segments for t in [seg.steps, *seg.states.values()]
             + ([seg.scales] if seg.scales is not None else []) + ([seg.master] if seg.master is not None else [])]
 
 
@@ -414,7 +414,7 @@ def test_the_smallest_mode_keeps_at_most_2_1_bytes_per_parameter():
     for p in ps:
         p.grad = torch.randn_like(p)
     opt.step()
-    seg = opt._segments[0]
+    seg = opt._segs.segments[0]
     assert seg.master is None
     stored = sum(t.numel() * t.element_size() for t in [*seg.states.values(), seg.scales])
     numel = sum(p.numel() for p in ps)
@@ -528,7 +528,7 @@ def test_8bit_moments_load_from_per_element_exponents(kind):
     memory_view(x)[:10] = torch.clamp(memory_view(x)[:10].to(torch.int64) + 1, max=sp.Q8_MAX_EXP).to(U8)
     values = sp.q8_decode(memory_view(entry[f"{key}_codes"]), memory_view(x).to(torch.int64), True)
     opt2.load_state_dict(given)
-    seg = opt2._segments[0]
+    seg = opt2._segs.segments[0]
     codes, scales = sp.q8_quantize(values, True)
     assert_bitwise("re-encoded codes", memory_view(seg.view(seg.states[key], 1)), codes)
     assert_bitwise("re-encoded scales", seg.scale_view(key, 1), scales)

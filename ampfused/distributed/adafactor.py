@@ -287,7 +287,7 @@ class ShardedFusedAdafactor(torch.optim.Optimizer):
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (masters or remainders of its pieces, their factors, step
         counts)."""
-        flats = [t for seg in self._inner._segments
+        flats = [t for seg in self._inner._segs.segments
                  for t in (seg.master, seg.states["factors"], seg.steps) if t is not None]
         return sum(t.numel() * t.element_size() for t in flats)
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..clip import clip_grad_norm_
-from ..optim._follow import owner_of
+from ..optim._segments import owner_of
 
 # attributes under which frameworks keep the optimizer they wrap (accelerate: .optimizer, Lightning: ._optimizer)
 _WRAPPED = ("optimizer", "_optimizer")

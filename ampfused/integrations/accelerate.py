@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ..clip import clip_grad_norm_ as _ampfused_clip
-from ..optim._follow import owner_of
+from ..optim._segments import owner_of
 from ..scaler import GradScaler
 from ._common import fold_clip, fused_optimizer, owning_optimizer, unscale_once, warn_once
 

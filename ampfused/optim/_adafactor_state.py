@@ -137,7 +137,7 @@ def import_state_dict(opt, state_dict: dict) -> None:
     from ._state import _saved_step, checked_groups, finish_load, swap_loaded
     saved_state, sid_of, new_groups = checked_groups(opt, state_dict)
     plans = []
-    for seg in opt._segments:
+    for seg in opt._segs.segments:
         entries = []
         for i, (param, p) in enumerate(zip(seg.params, seg.tensors())):
             sid = sid_of[id(param)]

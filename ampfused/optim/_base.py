@@ -5,9 +5,9 @@ layout, and their gradients are read where backward (or a framework) put them. W
 derived from them and kept in :class:`~ampfused.optim._segment.Segment` s (one per param group and dtype):
 fp32 masters for fp16/bf16 parameters, the states in flat buffers, a step count per parameter.
 
-Segments are built at the first step and follow the parameters from then on (:mod:`._follow`); each step's
-gradients are read where they are, through ``ampfused._host``'s tables or the Python path
-(:mod:`._gradients`).
+Segments are built at the first step and follow the parameters from then on; each step's gradients are read
+where they are, through ``ampfused._host``'s tables or the Python path. Both are the work of the optimizer's
+:class:`~ampfused.optim._segments.Segments` (``self._segs``).
 
 A step is then one ``norm_check`` over every gradient that exists (K1) and one update per segment (K2)
 whose prologue reduces the partials, skips on non-finite gradients and folds unscale and clip into one
@@ -17,20 +17,17 @@ read to the host.
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import ops
 from ..guard import SpikeGuard
 from . import _params as P
 from ._clip_state import ClipState, Owed
-from ._follow import _OWNERS, FollowParameters
-from ._gradients import _Batch, _host, _NO_GRAD, _shard_groups, ReadGradients
 from ._segment import LOW_PRECISION, Segment, versions
+from ._segments import _Batch, _host, _NO_GRAD, claim, Segments
 from ._state import _StateMap, export_state_dict, import_state_dict, run_load_pre_hooks, state_dict_with_hooks
 from ._step_call import hooked_step
 
@@ -44,12 +41,13 @@ def _on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
     return t if t is None or t.device == device else t.to(device, non_blocking=True)
 
 
-class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
+class FusedOptimizer(torch.optim.Optimizer):
     """Base class of the fused optimizers; subclasses define the state buffers and call the update op."""
 
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands us grad_scale / found_inf
     _ampfused_fused = True  # ampfused.GradScaler and clip_grad_norm_ use the hooks below
     state_names: tuple = ()
+    takes_host_pass = True  # the step reads the host pass's tables (_step_op_table) when a backend takes them
 
     def __init__(self, params, defaults: dict, *, max_grad_norm: Optional[float], master_weights: Optional[bool],
                  backend: Optional[str], spike_guard: Optional[SpikeGuard] = None, track_nonfinite: bool = False,
@@ -80,14 +78,11 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         self._make_device_tensors(first.device if isinstance(first, Tensor) else torch.device("cpu"))
 
     def _init_internals(self) -> None:
-        self._replaced = WeakIdKeyDictionary()  # parameter -> the Parameter a module now holds in its place
-        self._segments: List[Segment] = []
-        self._packed_groups: List[Optional[List[Tensor]]] = []  # per group: its params as last packed
+        self._segs = Segments()  # the segments, kept in line with the parameters, and the step's gradients
         self._clip_state = ClipState()  # what _ampfused_unscale_ and _ampfused_fold_clip_ leave to the step
         self._nonfinite: List[Tensor] = []
         self._calls = [0]  # step() calls that had gradients, since construction or load (a list: a compiled
         # step adds to it without setting an attribute of the optimizer)
-        self._shard_groups: tuple = ()  # FSDP2: the process groups the gradients' norm and flags are summed over
 
     def _make_device_tensors(self, device: torch.device, old: Optional[dict] = None) -> None:
         """The small per-optimizer device tensors, on the parameters' device (moved along when it changes)."""
@@ -126,13 +121,10 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         group = P.normalise_group(param_group)
-        if getattr(self, "_segments", None) is not None and hasattr(self, "defaults"):
+        if getattr(self, "_segs", None) is not None and hasattr(self, "defaults"):
             self._check_new_groups([group], self.defaults, self.param_groups)
         super().add_param_group(group)
-        owner = weakref.ref(self)
-        for p in self.param_groups[-1]["params"]:
-            _OWNERS[p] = owner
-        self._packed_groups.append(None)
+        self._segs.add_group(self)
 
     def _validate_group(self, group: dict, where: str) -> None:  # subclasses check their hyperparameters
         P.check_step_lr(group["lr"], where)
@@ -157,7 +149,7 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
             for gi, group in enumerate(self.param_groups):
                 self._validate_group(group, f" in param_groups[{gi}]")
                 needed = self._state_names_for(group)
-                missing = sorted({name for seg in self._segments if seg.group_index == gi for name in needed
+                missing = sorted({name for seg in self._segs.segments if seg.group_index == gi for name in needed
                                   if name not in seg.states})
                 if missing:  # an eager step makes it (the segments are rebuilt, carrying their state)
                     raise RuntimeError(
@@ -179,10 +171,10 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         it runs eagerly)."""
         self._validate_group(group, where)
         needed = self._state_names_for(group)
-        stale = {seg.group_index for seg in self._segments if self.param_groups[seg.group_index] is group
+        stale = {seg.group_index for seg in self._segs.segments if self.param_groups[seg.group_index] is group
                  and any(name not in seg.states for name in needed)}
         if stale:
-            self._repack(stale)
+            self._segs.repack(self, stale)
 
     @staticmethod
     def _check_divisor(grad_divisor) -> None:
@@ -227,7 +219,7 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
             if owed.coef is not None:
                 inv_scale = inv_scale * owed.coef
             inv_scale = self._divide(inv_scale, grad_divisor)
-            partials = self._k1("norm_check", batch, inv_scale)
+            partials = self._segs.k1("norm_check", batch, inv_scale, self.backend)
         if found_inf is not None:  # e.g. all-reduced across ranks by the training script
             partials = _append_flag(partials, found_inf.float())
         return partials, inv_scale
@@ -265,13 +257,13 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
     def _step_gradients(self) -> _Batch:
         """The step's gradients: from the host pass when nothing changed, else read after following the
         parameters."""
-        batch = self._scan()
+        segs = self._segs
+        batch = segs.scan(self)
         if batch is None:
-            self._follow_parameters()
-            batch = self._collect()
-        repeated = self.__dict__.get("_repeated_params")
-        if repeated:
-            raise ValueError(repeated)
+            segs.follow(self)
+            batch = segs.collect(self)
+        if segs.repeated:
+            raise ValueError(segs.repeated)
         return batch
 
     def _spike_check(self, partials: Tensor, loss: Optional[Tensor]):
@@ -292,7 +284,7 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
     def _update_segments(self, batch: _Batch, partials: Tensor, inv_scale: Tensor, lr_mult: Optional[Tensor],
                          folded_max_norm: Optional[float]) -> None:
         """K2 over every segment that has a gradient; ``folded_max_norm``: a clip folded into this step."""
-        for si, seg in enumerate(self._segments):
+        for si, seg in enumerate(self._segs.segments):
             if batch.segment_empty(si):
                 continue
             group = self.param_groups[seg.group_index]
@@ -307,22 +299,14 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
                 self._step_op_table(seg, batch.backend, group, partials, inv_scale, lr, max_norm)
                 _host().bump(seg.params, seg.table_address, seg.record_address)
                 if not seg.all_state:
-                    self._note_state(seg, [n != _NO_GRAD for n in seg.table[:, 2].tolist()])
+                    self._segs.note_state(self, seg, [n != _NO_GRAD for n in seg.table[:, 2].tolist()])
             else:
                 grads = batch.per_segment[si]
                 self._update(seg, grads, group, partials, inv_scale, lr, max_norm)
                 if not torch.compiler.is_compiling():
                     seg.vers = versions(seg.tensors())
                 if not seg.all_state:
-                    self._note_state(seg, [g is not None for g in grads])
-
-    def _note_state(self, seg: Segment, stepped: List[bool]) -> None:
-        """As torch.optim: a parameter has state once a step saw its gradient."""
-        for i, yes in enumerate(stepped):
-            if yes and not seg.has_state[i]:
-                seg.has_state[i] = True
-                self._bind_one(seg, i)
-        seg.all_state = all(seg.has_state)
+                    self._segs.note_state(self, seg, [g is not None for g in grads])
 
     def _update(self, seg: Segment, grads: List[Optional[Tensor]], group: dict, partials: Tensor,
                 inv_scale: Tensor, lr: Tensor, max_norm: float) -> None:
@@ -350,7 +334,7 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         return self._stats[1] > 0
 
     def _steps_taken_now(self) -> Tensor:
-        counts = [s.steps.max() for s in self._segments if len(s)]
+        counts = [s.steps.max() for s in self._segs.segments if len(s)]
         return torch.stack(counts).max() if counts else self._one * 0
 
     def stats(self) -> Dict[str, Tensor]:
@@ -373,7 +357,7 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
     def _count_nonfinite(self, batch: _Batch) -> None:
         """Per-parameter count of non-finite gradient elements (one extra read of the gradients; opt-in)."""
         self._nonfinite = []
-        for seg, grads in zip(self._segments, batch.per_segment):
+        for seg, grads in zip(self._segs.segments, batch.per_segment):
             counts = [(~torch.isfinite(g)).sum() if g is not None else None for g in grads]
             self._nonfinite.append(counts)
 
@@ -383,7 +367,7 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         if not self.track_nonfinite:
             raise RuntimeError("nonfinite_report() needs the optimizer built with track_nonfinite=True")
         report: Dict[str, int] = {}
-        for seg, counts in zip(self._segments, self._nonfinite):
+        for seg, counts in zip(self._segs.segments, self._nonfinite):
             group = self.param_groups[seg.group_index]
             for p, c in zip(seg.params, counts):
                 if c is not None and int(c):
@@ -399,17 +383,27 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         super().zero_grad(set_to_none)
 
     # --- hooks used by ampfused.GradScaler and ampfused.clip_grad_norm_ ------------------------------------
+    def _ampfused_device(self) -> torch.device:
+        """The device the optimizer's parameters (and so its gradients) are on now."""
+        segs = self._segs
+        if segs.segments and not len(segs.replaced):  # built: the first parameter tells (the step checks all)
+            first = self.param_groups[0]["params"]
+            if first and first[0].device == self._device:
+                return self._device
+        segs.follow(self)
+        return self._device
+
     @torch.no_grad()
     def _ampfused_unscale_(self, inv_scale: Tensor, grad_divisor=None) -> Tensor:
         """Unscale the gradients in place (one pass), remember their norm, return found_inf."""
         self._check_divisor(grad_divisor)
-        self._follow_parameters()
-        batch = self._collect()
+        self._segs.follow(self)
+        batch = self._segs.collect(self)
         inv_scale = self._divide(self._clip_state.unscale_coef(_on(inv_scale, self._device)), grad_divisor)
         if not batch.active:
             self._clip_state.unscaled(None, None)
             return self._one * 0
-        partials = self._k1("unscale_", batch, inv_scale)
+        partials = self._segs.k1("unscale_", batch, inv_scale, self.backend)
         self._clip_state.unscaled(batch.keys(), partials)
         return ops.reduce_partials(partials)[1]
 
@@ -419,13 +413,13 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         """Fold ``clip_grad_norm_(params, max_norm)`` into the next step; returns the total norm."""
         if float(norm_type) != 2.0:
             return None
-        self._follow_parameters()
-        batch = self._collect()
+        self._segs.follow(self)
+        batch = self._segs.collect(self)
         if not batch.active:
             return None
         clip = self._clip_state
         if not clip.holds_partials_of(batch.active):
-            clip.measured(batch.keys(), self._k1("norm_check", batch, self._one))
+            clip.measured(batch.keys(), self._segs.k1("norm_check", batch, self._one, self.backend))
         norm = ops.reduce_partials(clip.partials)[0]
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
             raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
@@ -437,13 +431,13 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
     # --- state dicts (torch.optim layout; see _state.py) ---------------------------------------------------
     def state_dict(self) -> dict:
         def export(opt):
-            opt._follow_parameters()
+            opt._segs.follow(opt)
             return export_state_dict(opt)
         return state_dict_with_hooks(self, export)
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = run_load_pre_hooks(self, state_dict)
-        self._follow_parameters()
+        self._segs.follow(self)
         self._import_state_dict(state_dict)
         self._steps_at_load.copy_(self._steps_taken_now())
         if self.spike_guard is not None:
@@ -472,21 +466,27 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
         """The states a step of ``group`` reads: allocated by the first step that needs them."""
         return self.state_names
 
+    def _use_master(self, dtype: torch.dtype) -> bool:
+        """Whether parameters of ``dtype`` get an fp32 master."""
+        return self.master_weights if self.master_weights is not None else dtype in LOW_PRECISION
+
     # --- copies and pickles -------------------------------------------------------------------------------
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_replaced"] = None  # weak references do not pickle; pending swaps are taken at the next step
-        state["_shard_groups"] = ()  # process groups do not pickle; found again from the parameters
-        state.pop("_table_memo", None)  # memos of this process (backend objects, tensor ids)
-        state.pop("_checked_hyper", None)
+        state.pop("_checked_hyper", None)  # a memo of this process (tensor ids)
         return state
 
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
         old_clip = [state.pop(name, None) for name in ("_partials_cache", "_pending_clip", "_raw_clip")]
-        if "_segments" in state and "_clip_state" not in state:  # pickled when these were three attributes
+        if "_segments" in state:  # pickled when the segments were attributes of the optimizer
+            state["_segs"] = Segments.from_fields(state.pop("_segments"), state.pop("_packed_groups", []),
+                                                  state.pop("_repeated_params", None))
+            for name in ("_replaced", "_shard_groups", "_table_memo"):
+                state.pop(name, None)
+        if "_segs" in state and "_clip_state" not in state:  # pickled when these were three attributes
             state["_clip_state"] = ClipState.from_fields(*old_clip)
-        if "_segments" not in state:  # pickled by an older ampfused or by torch.optim.Optimizer.__getstate__
+        if "_segs" not in state:  # pickled by an older ampfused or by torch.optim.Optimizer.__getstate__
             self.__dict__.update(state)
             self._init_internals()
             self._make_device_tensors(torch.device("cpu"))
@@ -495,18 +495,11 @@ class FusedOptimizer(ReadGradients, FollowParameters, torch.optim.Optimizer):
             self.__dict__.setdefault("spike_guard", None)
             self.__dict__.setdefault("track_nonfinite", False)
             self.__dict__.setdefault("_module_names", {})
-            self._packed_groups = [None] * len(self.param_groups)
+            self._segs.packed = [None] * len(self.param_groups)
         else:
             self.__dict__.update(state)
-            self._replaced = WeakIdKeyDictionary()
-            self._shard_groups = _shard_groups([(0, k, p) for k, p in enumerate(
-                p for seg in self._segments for p in seg.params)])
         super().__setstate__(dict(self.__dict__))
         for group in self.param_groups:  # pickled before the groups had torch's keys: torch's values for them
             for key, value in getattr(self, "torch_load_defaults", {}).items():
                 group.setdefault(key, value)
-        owner = weakref.ref(self)
-        for g in self.param_groups:
-            for p in g["params"]:
-                _OWNERS[p] = owner
-
+        claim(self, [p for g in self.param_groups for p in g["params"]])

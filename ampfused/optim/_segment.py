@@ -10,7 +10,7 @@ parameter's strides is its state as ``torch.optim`` shapes it (``channels_last``
 
 What the segment remembers of each parameter (address, version counter, dtype, device, shape, strides) is
 what the optimizer compares on the host before every step to follow changes made outside it; see
-``FusedOptimizer._follow_parameters``.
+:meth:`ampfused.optim._segments.Segments.follow` (the optimizer's segments as a whole).
 
 Parameters sharded by FSDP2 (``fully_shard``) are DTensors: a segment of them keeps this rank's shards' state,
 reads and writes the local shards (:func:`local`), and hands out its states as DTensors placed like their

@@ -101,7 +101,7 @@ def export_state_dict(opt) -> dict:
     """``opt.state_dict()``: torch's layout, state tensors as views of the live buffers (as torch does)."""
     groups, index = _packed_groups(opt)
     state: Dict[int, dict] = {}
-    for seg in opt._segments:
+    for seg in opt._segs.segments:
         if not any(seg.has_state):
             continue
         steps = seg.steps.tolist()  # one read per segment, at checkpoint time only
@@ -328,7 +328,7 @@ def import_state_dict(opt, state_dict: dict) -> None:
     """``opt.load_state_dict(sd)`` from ours or from torch.optim's matching optimizer."""
     saved_state, sid_of, new_groups = checked_groups(opt, state_dict)  # everything checked before any change
     plans = [(seg, [checked_entry(opt, saved_state, sid_of[id(p)], p) for p in seg.params])
-             for seg in opt._segments]
+             for seg in opt._segs.segments]
 
     # Build the new buffers aside; swap them in only once all of them are complete.
     built, relaid = [], {}
@@ -362,7 +362,7 @@ def import_state_dict(opt, state_dict: dict) -> None:
                     seg.view(master, i).copy_(local(src).reshape(p.shape) if src is not None else p.detach())
             built.append((seg, states, scales, master, torch.tensor(steps, dtype=torch.float32).to(seg.device),
                           [entry is not None for entry in entries]))
-    opt._segments = [relaid.get(id(seg), seg) for seg in opt._segments]
+    opt._segs.segments = [relaid.get(id(seg), seg) for seg in opt._segs.segments]
     for seg, states, scales, master, steps, has_state in built:
         if scales is not None:
             seg.scales = scales
@@ -396,7 +396,7 @@ def finish_load(opt, state_dict: dict, saved_state: dict, new_groups: list) -> N
         if k not in saved_ids:
             opt.state[k] = v
     opt._clip_state.forget_partials()
-    opt._bind_state()
+    opt._segs.bind_state(opt)
 
 
 def torch_state_dict(state_dict: dict) -> dict:

@@ -79,6 +79,7 @@ class AdafactorMath(StepOp):
     step_op = "adafactor_step_"
     state_names = ("row_var", "col_var", "variance")
     segment_class = AdafactorSegment
+    takes_host_pass = False  # no backend takes Adafactor's tables yet: the Python path (one op per segment)
     # what torch.optim.Adafactor.__setstate__ gives a group key that a loaded (older) state dict lacks
     torch_load_defaults = dict(foreach=None, maximize=False)
 
@@ -94,9 +95,6 @@ class AdafactorMath(StepOp):
 
     def _state_names_for(self, group: dict) -> tuple:
         return ()  # (its segments make their factored state themselves: AdafactorSegment)
-
-    def _scan(self):
-        return None  # no backend takes Adafactor's tables yet: the Python path (one op per segment)
 
     def _op_hyper(self, group: dict) -> dict:
         eps1, eps2 = group["eps"]
@@ -122,7 +120,7 @@ class AdafactorMath(StepOp):
         check_inputs(params, grads, seg.master, seg.states["factors"], seg.steps, partials, inv_scale, lr,
                      self._stats, seed, float(group["beta2_decay"]), eps1, float(eps2), float(group["d"]),
                      float(group["weight_decay"]), max_norm)
-        shard_groups = self._shard_groups
+        shard_groups = self._segs.shard_groups
 
         def reduce(t: Tensor) -> None:
             for pg in shard_groups:

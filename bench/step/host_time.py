@@ -25,7 +25,7 @@ from typing import List, Optional
 import torch
 
 import ampfused
-from ampfused.optim import _gradients
+from ampfused.optim import _segments
 
 from ..common.settings import restores_torch_settings
 from . import host_stubs
@@ -54,9 +54,9 @@ def time_step(tensors: int, use_host: bool, scaler_path: bool, calls: int = 2000
     opt = ampfused.FusedAdamW(params, lr=1e-3, max_grad_norm=1.0, backend="cpu")
     call = _stepper(opt, scaler_path)
 
-    saved = _gradients._HOST
+    saved = _segments._HOST
     if not use_host:
-        _gradients._HOST = None
+        _segments._HOST = None
     try:
         for _ in range(5):
             call()
@@ -68,12 +68,12 @@ def time_step(tensors: int, use_host: bool, scaler_path: bool, calls: int = 2000
                 call()
             times.append((time.perf_counter() - t0) / n * 1e6)
     finally:
-        _gradients._HOST = saved
+        _segments._HOST = saved
     return sorted(times)[len(times) // 2]
 
 
 def table(counts: List[int], calls: int = 20000, rounds: int = 5) -> str:
-    host = _gradients._host() is not None
+    host = _segments._host() is not None
     rows = ["| tensors | path | `opt.step()` | `scaler.step` + `update` |", "| --- | --- | --- | --- |"]
     for t in counts:
         for use in ([False, True] if host else [False]):
