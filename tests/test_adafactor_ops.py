@@ -372,16 +372,18 @@ def test_native_modules_read_the_table_python_writes(kind):
 
 
 def test_cuda_backend_passes_its_module_the_table_tiles_and_scratch(monkeypatch):
-    """Without a GPU: the cuda backend's Adafactor call (its module replaced by a recorder) gives the module as many
-    arguments as the built module declares, and uploads the table rows followed by the tile layout, with scratch
-    for the column partials and three sums per tile; the upload is reused while the table holds."""
+    """Without a GPU: the cuda backend's Adafactor call (its module replaced by a recorder) packs the call as the
+    built module reads it (its slots, the hyperparameters its entry declares), and uploads the table rows followed
+    by the tile layout, with scratch for the column partials and three sums per tile; the upload is reused while
+    the table holds."""
     from ampfused import _native
     from ampfused.ops import cuda as C
     from ampfused.ops import native_factored as na
     from test_host_pass import _recording_cuda_backend
     if _native.unavailable_reason("cuda"):
         pytest.skip(f"ampfused's cuda module is not built: {_native.unavailable_reason('cuda')}")
-    declared = _native.module("cuda").adafactor_step.__doc__.split("->")[0].count("arg")
+    mod = _native.module("cuda")
+    declared = len(mod.step_ops()["adafactor_step_"])
     calls = []
     backend, _ = _recording_cuda_backend(monkeypatch, calls)
     C._adafactor_tables.clear()
@@ -394,21 +396,25 @@ def test_cuda_backend_passes_its_module_the_table_tiles_and_scratch(monkeypatch)
     for _ in range(2):
         backend.adafactor_step_(params, grads, None, factors, steps, partials, one, lr, stats, -0.8, None, 1e-3, 1.0,
                                 0.0, math.inf)
-    assert [name for name, _ in calls] == ["adafactor_step"] * 2 and calls[0][1] == calls[1][1]
-    args = calls[0][1]
-    assert len(args) == declared
+    assert [(name, args[0]) for name, args in calls] == [("step", "adafactor_step_")] * 2
+    assert calls[0][1] == calls[1][1]
+    _, slots, hyper = calls[0][1]
+    assert len(slots) == len(mod.STEP_SLOTS) and len(hyper) == declared
+    at = dict(zip(mod.STEP_SLOTS, slots))
     (work,) = C._adafactor_tables.values()
     info, num_tiles, num_items, num_colparts = na.tiles(params, grads, 256)
     rows = na.table(params, grads)
-    assert work.table.tolist() == rows + info and args[0] == work.table.data_ptr()
+    assert work.table.tolist() == rows + info and at["table"] == work.table.data_ptr()
     assert (num_tiles, num_items, num_colparts) == (5 + 1, 1, 5 * 30)  # bands of 8 rows; one span of the vector
-    assert args[-5:] == (num_tiles, num_items, num_colparts, work.scratch.data_ptr(), na.AF_COL_CHUNK)
+    assert (at["tiles"], at["items"], at["colparts"], at["scratch"], at["col_chunk"]) == (
+        num_tiles, num_items, num_colparts, work.scratch.data_ptr(), na.AF_COL_CHUNK)
     assert work.scratch.dtype == torch.float64 and work.scratch.numel() == num_colparts + 3 * num_tiles
     scratch = work.scratch
     backend.adafactor_step_(params, [g.clone() for g in grads], None, factors, steps, partials, one, lr, stats,
                             -0.8, None, 1e-3, 1.0, 0.0, math.inf)  # fresh gradient tensors: a new table, same layout
     (again,) = C._adafactor_tables.values()
-    assert again is work and work.scratch is scratch and calls[-1][1][0] == work.table.data_ptr()
+    assert again is work and work.scratch is scratch
+    assert dict(zip(mod.STEP_SLOTS, calls[-1][1][1]))["table"] == work.table.data_ptr()
     assert work.table.tolist()[:len(rows)] != rows
     backend.adafactor_step_(params, [grads[0], None], None, factors, steps, partials, one, lr, stats, -0.8, None,
                             1e-3, 1.0, 0.0, math.inf)  # a parameter without a gradient: another layout

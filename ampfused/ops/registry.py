@@ -50,8 +50,8 @@ class Backend:
 
     def step(self, call) -> None:
         """The step op of ``call`` (:class:`ampfused.ops.call.StepCall`): the one entry of every step. This default
-        calls the method its class defines under the op's name with the op's arguments (a backend written as
-        functions, in the reference's signatures)."""
+        calls the backend's own function under the op's name (its class's method or its attribute) with the op's
+        arguments (a backend written as functions, in the reference's signatures)."""
         if call.table is not None:
             raise TypeError(f"the {self.name} backend does not take the fused optimizers' tables")
         if not self.has_step(call.spec.name):
@@ -60,7 +60,7 @@ class Backend:
 
     def has_step(self, op: str) -> bool:
         """Whether this backend runs step op ``op`` (a name in ``specs.SPECS``)."""
-        return callable(getattr(type(self), op, None))
+        return callable(self.__dict__.get(op)) or callable(getattr(type(self), op, None))
 
     def __getattr__(self, name: str):
         """A step op by its name (``backend.adam_step_(params, grads, ...)``, the reference's signature, options

@@ -37,7 +37,8 @@ class _NullModule:
         self.__dict__.update(constants)
 
     def __getattr__(self, name):
-        if name.isupper() or name == "num_partials":  # constants, and arithmetic on sizes: the real module's
+        # constants, arithmetic on sizes and what the packed step call is made of: the real module's
+        if name.isupper() or name in ("num_partials", "step_ops", "step_constants"):
             return getattr(self._real, name)
         return _nothing
 
@@ -68,8 +69,10 @@ def _cpu_backend():
 
 def _cuda_backend():
     from ampfused.ops import cuda as C
+    cpu = _native.module("cpu")  # (the modules share the packed step call's layout and ops)
     null = _NullModule(None, STEP_CHUNK=16384, TILE=2048, MAX_PARTIALS_PER_TENSOR=1024, WORK_SHIFT=32,
-                       num_partials=lambda numels: sum(min(-(-int(n) // 2048), 1024) for n in numels))
+                       num_partials=lambda numels: sum(min(-(-int(n) // 2048), 1024) for n in numels),
+                       STEP_SLOTS=cpu.STEP_SLOTS, step_ops=cpu.step_ops, step_constants=cpu.step_constants)
     if _native.unavailable_reason("cuda") is None:  # the real constants where the module loads
         null = _NullModule(_native.module("cuda"))
 
@@ -86,9 +89,11 @@ def _cuda_backend():
         def _device_args(self, device):
             return (0, 0)
 
-        # the list entries' checks want CUDA tensors: the Python path (a first step, a step after a change)
+        # a step from tensors is checked for CUDA tensors: the Python path (a first step, a step after a change)
         # does nothing here, so a step that took it would show as cheaper than it is
-        adam_step_ = sgd_step_ = staticmethod(_nothing)
+        def step(self, call):
+            if call.table is not None:
+                super().step(call)
 
     return HostCuda()
 
@@ -117,8 +122,9 @@ def _reference_backend():
             return torch.zeros(2, 1)
 
         unscale_ = norm_check
-        adam_step_ = staticmethod(_nothing)
-        sgd_step_ = staticmethod(_nothing)
+
+        def step(self, call):
+            return None
 
     return HostReference()
 

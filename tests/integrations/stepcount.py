@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import ampfused
 from bench.common.measure import SYNC_WARNING, outermost_operators
 
-KERNELS = ("norm_check", "unscale_", "adam_step_", "sgd_step_", "update_scale_")
+KERNELS = ("norm_check", "unscale_", "update_scale_")  # and every step op, through the backends' one step entry
 # operators that read a device value to the host
 HOST_READS = ("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal")
 
@@ -32,6 +32,15 @@ def _wrap(fn, name):
     def counted(*args, **kwargs):
         with record_function(f"ampfused::{name}"):
             return fn(*args, **kwargs)
+    return counted
+
+
+def _wrap_step(fn):
+    """A backend's step entry, its range named by the op of the call it runs."""
+    @functools.wraps(fn)
+    def counted(call):
+        with record_function(f"ampfused::{call.spec.name}"):
+            return fn(call)
     return counted
 
 
@@ -45,6 +54,8 @@ def named_kernels(device="cpu"):
             if hasattr(b, op):
                 saved.append((b, op, b.__dict__.get(op)))
                 setattr(b, op, _wrap(getattr(b, op), op))
+        saved.append((b, "step", b.__dict__.get("step")))
+        b.step = _wrap_step(b.step)
     try:
         yield
     finally:
