@@ -44,9 +44,18 @@ def _kernel(spec: OpSpec):
     return kernel
 
 
+def _partials(grads, inv_scale, backend):
+    return inv_scale.new_empty(2, get_backend(backend).num_partials([g.numel() for g in grads]))
+
+
+FAKES = {"partials": _partials}  # the fake implementations the records name (OpSpec.fake)
+
+
 def _fake(spec: OpSpec):
+    impl = None if spec.fake is None else FAKES[spec.fake]
+
     def fake(*args, **kwargs):
-        return None if spec.fake is None else spec.fake(*_bind(spec, args, kwargs))
+        return None if impl is None else impl(*_bind(spec, args, kwargs))
     return fake
 
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 from .reference_adafactor import EPS1_DEFAULT
-from .registry import get_backend
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,8 @@ class OpSpec:
     args: Tuple[Union[Arg, Hyper], ...]
     probe: str  # the tensor argument whose device the call runs on (and the backend is picked for)
     returns: str = "()"
-    fake: Optional[Callable] = None  # called with the op's arguments in schema order; None: returns nothing
+    fake: Optional[str] = None  # its fake implementation's name in library.FAKES (called with the op's arguments in
+    # schema order); None: returns nothing
     states: Tuple[State, ...] = ()
     hyper: Dict[str, object] = field(default_factory=dict)
     hypers: Tuple[Hyper, ...] = ()
@@ -108,13 +108,9 @@ class OpSpec:
         return f"({', '.join(parts)}) -> {self.returns}"
 
 
-def _partials(grads, inv_scale, backend):
-    return inv_scale.new_empty(2, get_backend(backend).num_partials([g.numel() for g in grads]))
-
-
 def _k1(name: str, writes: bool) -> OpSpec:
     return OpSpec(name, (Arg("grads", "Tensor[]", writes), Arg("inv_scale", "Tensor"), Arg("backend", "str")),
-                  probe="inv_scale", returns="Tensor", fake=_partials)
+                  probe="inv_scale", returns="Tensor", fake="partials")
 
 
 MAX_NORM = Hyper("max_norm", "float", default=math.inf)
