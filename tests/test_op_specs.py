@@ -23,7 +23,7 @@ def test_the_registered_op_is_its_record(name):
     written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     assert tuple(written) == spec.written == ops._MUTATED[name]
     assert not [a.name for i, a in enumerate(schema.arguments) if i in written and a.has_default_value()]
-    assert schema.arguments[ops._PROBE[name]].name == spec.probe
+    assert schema.arguments[spec.arg_names.index(spec.probe)].name == spec.probe
 
 
 def test_a_step_op_is_laid_out_from_its_states_and_hyperparameters():

@@ -57,7 +57,6 @@ def _pick(device: torch.device, dtypes: tuple, backend: Optional[str]) -> str:
 _MUTATED = {name: spec.written for name, spec in specs.SPECS.items()}
 _STEP_OPS = frozenset(name for name, spec in specs.SPECS.items() if spec.is_step)
 _ARG_NAMES = {name: spec.arg_names for name, spec in specs.SPECS.items()}
-_PROBE = {name: spec.arg_names.index(spec.probe) for name, spec in specs.SPECS.items()}
 
 
 def _call(op: str, probe: Tensor, *args, **kw):
@@ -65,7 +64,7 @@ def _call(op: str, probe: Tensor, *args, **kw):
     backend (what the custom op would run, without its dispatch cost, which dominates launch-bound steps) and
     bump the version counters of what it wrote, as the custom op would (caches such as the clip's rely on
     them); traced code, tensor subclasses and dispatch modes (fake tensors, meta) go through the custom op."""
-    if op in _STEP_OPS:
+    if op in _STEP_OPS:  # (a step writes only the parameters that had a gradient: StepCall.tensors_written)
         return run_step(StepCall.of_op(specs.SPECS[op], args[:-1], kw), args[-1])
     if _eager(probe):
         out = getattr(get_backend(args[-1]), op)(*args[:-1], **kw)
@@ -74,8 +73,6 @@ def _call(op: str, probe: Tensor, *args, **kw):
             a = args[i] if i < len(args) else kw.get(_ARG_NAMES[op][i])  # the compact state's come by name
             if isinstance(a, Tensor):
                 written.append(a)
-            elif i == 0 and op in _STEP_OPS:  # only the parameters that had a gradient
-                written.extend(p for p, g in zip(a, args[1]) if g is not None)
             elif isinstance(a, (list, tuple)):
                 written.extend(a)
         if written:
