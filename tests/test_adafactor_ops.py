@@ -386,7 +386,7 @@ def test_cuda_backend_passes_its_module_the_table_tiles_and_scratch(monkeypatch)
     declared = len(mod.step_ops()["adafactor_step_"])
     calls = []
     backend, _ = _recording_cuda_backend(monkeypatch, calls)
-    C._adafactor_tables.clear()
+    C._factored_tables.clear()
     params = [torch.zeros(40, 30), torch.zeros(17)]
     grads = [torch.randn(40, 30), torch.randn(17)]
     factors = torch.zeros(factor_layout([p.shape for p in params])[1])
@@ -401,7 +401,7 @@ def test_cuda_backend_passes_its_module_the_table_tiles_and_scratch(monkeypatch)
     _, slots, hyper = calls[0][1]
     assert len(slots) == len(mod.STEP_SLOTS) and len(hyper) == declared
     at = dict(zip(mod.STEP_SLOTS, slots))
-    (work,) = C._adafactor_tables.values()
+    (work,) = C._factored_tables.values()
     info, num_tiles, num_items, num_colparts = na.tiles(params, grads, 256)
     rows = na.table(params, grads)
     assert work.table.tolist() == rows + info and at["table"] == work.table.data_ptr()
@@ -412,12 +412,12 @@ def test_cuda_backend_passes_its_module_the_table_tiles_and_scratch(monkeypatch)
     scratch = work.scratch
     backend.adafactor_step_(params, [g.clone() for g in grads], None, factors, steps, partials, one, lr, stats,
                             -0.8, None, 1e-3, 1.0, 0.0, math.inf)  # fresh gradient tensors: a new table, same layout
-    (again,) = C._adafactor_tables.values()
+    (again,) = C._factored_tables.values()
     assert again is work and work.scratch is scratch
     assert dict(zip(mod.STEP_SLOTS, calls[-1][1][1]))["table"] == work.table.data_ptr()
     assert work.table.tolist()[:len(rows)] != rows
     backend.adafactor_step_(params, [grads[0], None], None, factors, steps, partials, one, lr, stats, -0.8, None,
                             1e-3, 1.0, 0.0, math.inf)  # a parameter without a gradient: another layout
-    (other,) = C._adafactor_tables.values()
+    (other,) = C._factored_tables.values()
     assert other is not work and other.num_tiles == 5
-    C._adafactor_tables.clear()
+    C._factored_tables.clear()

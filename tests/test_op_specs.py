@@ -115,3 +115,28 @@ def test_opcheck_of_the_ops_no_other_test_opchecks():
     for seed in ((), (None,)):  # seed left out: the one trailing argument with a default
         torch.library.opcheck(o.adafactor_step_.default, (t["params"], t["grads"], t["master"], factors, *common,
                                                           -0.8, None, 1e-3, 1.0, 0.0, 1.0, False, backend, *seed))
+
+
+def _sources_naming(word: str) -> list:
+    """The package's source files (ampfused/, csrc/, triton_kernels/, setup.py) that name ``word`` in any case:
+    what ``git grep -li`` finds there, read from the files themselves (a tree without git counts the same)."""
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+    found = []
+    for top in ("ampfused", "csrc", "triton_kernels"):
+        for f in sorted((root / top).rglob("*")):
+            if f.suffix in (".py", ".h", ".cuh", ".cu", ".cpp") and f.is_file() and not any(
+                    part.is_symlink() for part in [f, *f.parents] if root in part.parents):
+                if word in f.read_text(errors="replace").lower():
+                    found.append(str(f.relative_to(root)))
+    if word in (root / "setup.py").read_text().lower():
+        found.append("setup.py")
+    return found
+
+
+@pytest.mark.parametrize("word", ["lion", "adafactor"])
+def test_an_optimizer_is_named_in_at_most_ten_source_files(word):
+    """Adding an optimizer is its math, its kernels, its class and the export lists (docs/architecture.md's
+    recipe): nothing else in the package names it."""
+    found = _sources_naming(word)
+    assert 0 < len(found) <= 10, found

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..optim import _params as P
-from ..optim._adafactor_state import _contiguous_strides, factor_placements, full_factor_shape
+from ..optim._factored_state import _contiguous_strides, factor_placements, full_factor_shape
 from ..optim._base import FusedOptimizer
 from ..optim._state import run_load_pre_hooks, state_dict_with_hooks
 from ..optim._segment import is_dtensor

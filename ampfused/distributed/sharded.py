@@ -382,7 +382,8 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
                       self._backend_name(seg, params, grads))
 
     def _backend_name(self, seg, params, grads) -> str:
-        return ops.step_backend(self._device, ops._step_dtypes(params, grads, seg.master), self.backend)
+        return ops.step_backend(self._device, ops._step_dtypes(params, grads, seg.master), self.backend,
+                                self.step_op)
 
     # --- what the fused optimizers report ---------------------------------------------------------------------
     @property

@@ -18,14 +18,15 @@ from torch.utils import _python_dispatch
 
 from . import checks, library, reference, registry, specs
 from .call import StepCall
+from .factored import check_factors, factor_layout
 from .reference import clip_coef, memory_view, reduce_partials, state_layout
 from .registry import (Backend, available_backends, get_backend, register_backend, registered_backends,
                        resolve)
 
 __all__ = [
     "norm_check", "unscale_", "update_scale_", "adam_step_", "adamw_step_", "sgd_step_", "reduce_partials",
-    "clip_coef", "num_partials", "state_layout", "memory_view", "available_backends", "registered_backends", "register_backend", "resolve",
-    "get_backend", "Backend", "reference",
+    "clip_coef", "num_partials", "state_layout", "factor_layout", "memory_view", "available_backends",
+    "registered_backends", "register_backend", "resolve", "get_backend", "Backend", "reference",
 ]
 
 
@@ -37,25 +38,38 @@ _resolved: dict = {}
 
 
 @torch.compiler.assume_constant_result
-def _backend_name(device: str, dtypes: tuple, backend: Optional[str]) -> str:
+def _backend_name(device: str, dtypes: tuple, backend: Optional[str], op: Optional[str] = None) -> str:
     # Resolved in Python at trace time: a compiled step holds the chosen name as a constant. Eager calls hit
     # a cache keyed by everything the choice depends on (a failed choice is not cached: it raises each time).
-    key = (device, dtypes, backend, os.environ.get(registry.ENV_VAR), registry.generation())
+    key = (device, dtypes, backend, op, os.environ.get(registry.ENV_VAR), registry.generation())
     name = _resolved.get(key)
     if name is None:
-        name = resolve(device, tuple(getattr(torch, d.split(".")[-1]) for d in dtypes), backend).name
+        types = tuple(getattr(torch, d.split(".")[-1]) for d in dtypes)
+        name = resolve(device, types, backend).name
+        if op is not None and not get_backend(name).has_step(op):
+            name = _next_with(op, name, device, types, backend)
         _resolved[key] = name
     return name
 
 
-def _pick(device: torch.device, dtypes: tuple, backend: Optional[str]) -> str:
-    return _backend_name(str(device), dtypes, backend)
+def _next_with(op: str, name: str, device: str, types: tuple, backend: Optional[str]) -> str:
+    """A step op's backend when the one picked lacks it: the next in the device's priority that has it, unless
+    the backend was named (``backend=`` or ``AMPFUSED_BACKEND``): then the call is refused with the reason."""
+    if backend or os.environ.get(registry.ENV_VAR):
+        raise RuntimeError(f"ampfused backend {name!r} (forced) does not implement {op}")
+    for other in available_backends(torch.device(device), types):
+        if get_backend(other).has_step(op):
+            return other
+    raise RuntimeError(f"no ampfused backend implements {op} on {device}")
 
 
-# positions of the arguments each op writes, and the step ops (which write only the parameters that had a
-# gradient); read once from the records, so the eager path below pays one dict lookup per call
+def _pick(device: torch.device, dtypes: tuple, backend: Optional[str], op: Optional[str] = None) -> str:
+    return _backend_name(str(device), dtypes, backend, op)
+
+
+# positions of the arguments each op writes and their names, read once from the records, so the eager path
+# below pays one dict lookup per call (a step's written tensors: StepCall.tensors_written)
 _MUTATED = {name: spec.written for name, spec in specs.SPECS.items()}
-_STEP_OPS = frozenset(name for name, spec in specs.SPECS.items() if spec.is_step)
 _ARG_NAMES = {name: spec.arg_names for name, spec in specs.SPECS.items()}
 
 
@@ -64,8 +78,6 @@ def _call(op: str, probe: Tensor, *args, **kw):
     backend (what the custom op would run, without its dispatch cost, which dominates launch-bound steps) and
     bump the version counters of what it wrote, as the custom op would (caches such as the clip's rely on
     them); traced code, tensor subclasses and dispatch modes (fake tensors, meta) go through the custom op."""
-    if op in _STEP_OPS:  # (a step writes only the parameters that had a gradient: StepCall.tensors_written)
-        return run_step(StepCall.of_op(specs.SPECS[op], args[:-1], kw), args[-1])
     if _eager(probe):
         out = getattr(get_backend(args[-1]), op)(*args[:-1], **kw)
         written = []
@@ -109,17 +121,31 @@ def _public_step(op: str, params, grads, master: Optional[Tensor], states: dict,
                  state_scales: Optional[Tensor], backend: Optional[str]) -> None:
     """A public step op: every rule of its inputs checked before anything changes, its backend picked, run."""
     params, grads, steps = _as_lists(params, grads, steps)
-    spec = specs.SPECS[op]
-    call = StepCall(spec, params=params, grads=grads, master=master, states=states, steps=steps, partials=partials,
-                    inv_scale=inv_scale, lr=lr, out_stats=out_stats, hyper=hyper, seed=seed,
+    call = StepCall(specs.SPECS[op], params=params, grads=grads, master=master, states=states, steps=steps,
+                    partials=partials, inv_scale=inv_scale, lr=lr, out_stats=out_stats, hyper=hyper, seed=seed,
                     state_scales=state_scales)
-    given = [(n, t) for n, t in call.used_states() if t is not None]
-    checks.step_inputs(params, grads, master, given, steps, partials, inv_scale, lr, out_stats, seed, state_scales)
+    check_step(call)
+    run_step(call, _pick(steps.device, _step_dtypes(params, grads, master), backend, op))
+
+
+def check_step(call: StepCall) -> None:
+    """Every rule of a step call's inputs (from its tensors), before anything changes: the rules every step
+    shares, its state layout's, then its record's own (``OpSpec.rules``); the hyperparameters are then converted
+    in place to the kernels' types."""
+    spec, hyper = call.spec, call.hyper
+    flat = spec.layout == "flat"
+    given = [(n, t) for n, t in call.used_states() if t is not None] if flat else []
+    checks.step_inputs(call.params, call.grads, call.master, given, call.steps, call.partials, call.inv_scale,
+                       call.lr, call.out_stats, call.seed, call.state_scales)
+    if not flat:
+        for s in spec.states:
+            check_factors(s.name, call.states[s.name], call.params, call.master, call.steps.device)
     checks.scalars(**{h.name: hyper[h.name] for h in spec.hypers if h.type == "float"})
+    if spec.rules is not None:
+        spec.rules(call.params, hyper)
     for h in spec.hypers:  # the kernels' types
         v = hyper[h.name]
         hyper[h.name] = bool(v) if h.type == "bool" else v if v is None else float(v)
-    run_step(call, _pick(steps.device, _step_dtypes(params, grads, master), backend))
 
 
 def _positional(op: str, args: tuple, kw: dict) -> tuple:
@@ -191,24 +217,45 @@ def _step_dtypes(params, grads, master) -> tuple:
 
 def _public_function(spec: specs.OpSpec):
     """The public function of step op ``spec`` (a record with a ``doc``): its tensors by position (states in the
-    record's order), its hyperparameters by name with the record's defaults, ``seed``, ``state_scales``, ``backend``;
-    every input checked before anything changes (:func:`_public_step`)."""
+    record's order), its hyperparameters by name with the record's defaults (those the record groups, as one
+    tuple: Adam's ``betas`` style), ``seed``, ``state_scales`` where it takes them, ``backend``; every input
+    checked before anything changes (:func:`_public_step`)."""
     P, K = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
     tensors = ("params", "grads", "master", *(s.name for s in spec.states), "steps", "partials", "inv_scale", "lr",
                "out_stats")
-    sig = inspect.Signature([inspect.Parameter(n, P) for n in tensors]
-                            + [inspect.Parameter(h.name, K, default=h.default) for h in spec.hypers]
-                            + [inspect.Parameter(n, K, default=None) for n in ("seed", "state_scales", "backend")],
-                            return_annotation=None)
+    group_of = {m: name for name, members in spec.groups for m in members}
+    members = dict(spec.groups)
+    defaults = {h.name: h.default for h in spec.hypers}
+    keywords = []
+    for h in spec.hypers:
+        g = group_of.get(h.name)
+        if g is None:
+            keywords.append(inspect.Parameter(h.name, K, default=h.default))
+        elif members[g][0] == h.name:
+            keywords.append(inspect.Parameter(g, K, default=tuple(defaults[m] for m in members[g])))
+    tail = ("seed", "state_scales", "backend") if "state_scales" in spec.arg_names else ("seed", "backend")
+    sig = inspect.Signature([inspect.Parameter(n, P) for n in tensors] + keywords
+                            + [inspect.Parameter(n, K, default=None) for n in tail], return_annotation=None)
     states = [s.name for s in spec.states]
 
     def op(*args, **kwargs):
         a = sig.bind(*args, **kwargs)
         a.apply_defaults()
         a = a.arguments
+        hyper = {}
+        for h in spec.hypers:
+            g = group_of.get(h.name)
+            if g is None:
+                hyper[h.name] = a[h.name]
+                continue
+            value = a[g]
+            if not isinstance(value, (tuple, list)) or len(value) != len(members[g]):
+                raise ValueError(f"{g} must be a tuple of {len(members[g])} ({', '.join(members[g])}), "
+                                 f"got {value!r}")
+            hyper[h.name] = value[members[g].index(h.name)]
         _public_step(spec.name, a["params"], a["grads"], a["master"], {n: a[n] for n in states}, a["steps"],
-                     a["partials"], a["inv_scale"], a["lr"], a["out_stats"], {h.name: a[h.name] for h in spec.hypers},
-                     a["seed"], a["state_scales"], a["backend"])
+                     a["partials"], a["inv_scale"], a["lr"], a["out_stats"], hyper, a["seed"],
+                     a.get("state_scales"), a["backend"])
 
     op.__name__ = op.__qualname__ = spec.name
     op.__module__ = __name__
@@ -248,13 +295,8 @@ def call_k1(op: str, grads: List[Tensor], inv_scale: Tensor, dtypes: tuple, back
     return _call(op, inv_scale, grads, inv_scale, _pick(inv_scale.device, dtypes, backend))
 
 
-def step_backend(device, dtypes: tuple, backend: Optional[str] = None) -> str:
-    """Name of the backend the step ops pick for this device and these dtype names (cached)."""
-    return _pick(torch.device(device), dtypes, backend)
+def step_backend(device, dtypes: tuple, backend: Optional[str] = None, op: Optional[str] = None) -> str:
+    """Name of the backend the step ops pick for this device and these dtype names (cached); with ``op``, one
+    that has that step (the next in priority if the first lacks it)."""
+    return _pick(torch.device(device), dtypes, backend, op)
 
-
-# Adafactor (its state is factored, not shaped like the parameters: ops/adafactor.py)
-from .adafactor import adafactor_step_  # noqa: E402
-from .reference_adafactor import factor_layout  # noqa: E402
-
-__all__ += ["adafactor_step_", "factor_layout"]

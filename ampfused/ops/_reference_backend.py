@@ -1,8 +1,18 @@
 """The reference ops as a registry backend: runs anywhere torch runs, and is the fallback of last resort."""
+import importlib
+
 import torch
 
-from . import reference
+from . import reference, specs
 from .registry import Backend
+
+
+def step_function(op: str):
+    """Step op ``op``'s reference function: in the module its record names (``OpSpec.reference``), or None."""
+    spec = specs.SPECS.get(op)
+    if spec is None or not spec.is_step:
+        return None
+    return getattr(importlib.import_module(f"{__package__}.{spec.reference}"), op, None)
 
 
 class ReferenceBackend(Backend):
@@ -16,14 +26,14 @@ class ReferenceBackend(Backend):
     update_scale_ = staticmethod(reference.update_scale_)
 
     def step(self, call) -> None:
-        """Every step op is its function in :mod:`ampfused.ops.reference` (the specification)."""
+        """Every step op is its reference function (the specification; the module its record names)."""
         if call.table is not None or call.options:
             raise TypeError(f"the reference backend takes a step's tensors, without options (got "
                             f"{'a table' if call.table is not None else sorted(call.options)})")
-        getattr(reference, call.spec.name)(*call.op_args(), **call.compact_kwargs())
+        step_function(call.spec.name)(*call.op_args(), **call.compact_kwargs())
 
     def has_step(self, op: str) -> bool:
-        return hasattr(reference, op)
+        return step_function(op) is not None
 
 
 BACKEND = ReferenceBackend()

@@ -60,7 +60,7 @@ _prepared: set = set()
 _WORKS_LIMIT = 4096
 _works: Dict[Tuple[int, int], "_Work"] = {}  # (device index, address of a step tensor) -> its cached work
 _kept_for_graphs: List[Tensor] = []  # device work lists and tables that a captured CUDA graph may still read
-_adafactor_tables: Dict[Tuple[int, int], "_AdafactorWork"] = {}  # keyed as _works: Adafactor steps' tables
+_factored_tables: Dict[Tuple[int, int], "_FactoredWork"] = {}  # keyed as _works: factored steps' tables
 stats = {"uploads": 0}  # tensor tables uploaded to a device so far (a warm step uploads none)
 
 
@@ -127,8 +127,8 @@ def _retire(work: "_Work") -> None:
         _kept_for_graphs.extend((work.dev, work.lists))
 
 
-class _AdafactorWork:
-    """What the Adafactor step reads besides the tensors: the table and its tile layout on the device (one upload,
+class _FactoredWork:
+    """What a factored step reads besides the tensors: the table and its tile layout on the device (one upload,
     again whenever the table's ints change: fresh gradient tensors), and the fp64 scratch of the partial sums
     (column sums per band, and per tile the sums of w*w, of the new row factors and of u*u), kept while the shapes
     and the parameters that have a gradient stay the same."""
@@ -148,7 +148,7 @@ class _AdafactorWork:
         self.rows = rows
 
 
-def _adafactor_layout(params, grads) -> tuple:
+def _factored_layout(params, grads) -> tuple:
     return tuple((tuple(p.shape), g is None) for p, g in zip(params, grads))
 
 
@@ -358,18 +358,18 @@ class CudaBackend(CpuBackend):
     def _place_factored(self, params, grads, steps: Tensor) -> dict:
         """The factored step's table and its tiles uploaded to the device once per call site (its step tensor),
         asynchronously from page-locked memory, and reused while the table holds the same ints; the step is one
-        cooperative launch over every tile (csrc/cuda/adafactor.cu)."""
+        cooperative launch over every tile (its op's ``csrc/cuda/<kernel>.cu``)."""
         rows = _AF.table(params, grads)
         index = _device_index(steps.device)
         key = (index, steps.data_ptr())
-        work = _adafactor_tables.get(key)
+        work = _factored_tables.get(key)
         if work is None or work.rows != rows or work.tile_elems != _AF.AF_TILE_ELEMS:
             if _capturing(index):
-                raise RuntimeError("the cuda backend cannot upload a new Adafactor table while a CUDA graph is being "
+                raise RuntimeError("the cuda backend cannot upload a new factored-step table while a CUDA graph is being "
                                    "captured: run one step eagerly with exactly these tensors before capturing it")
-            layout = _adafactor_layout(params, grads)
+            layout = _factored_layout(params, grads)
             if work is None or work.layout != layout or work.tile_elems != _AF.AF_TILE_ELEMS:
-                work = _adafactor_tables[key] = _AdafactorWork(layout, params, grads, steps.device)
+                work = _factored_tables[key] = _FactoredWork(layout, params, grads, steps.device)
             work.upload(rows, steps.device)
         if _capturing(index):
             _kept_for_graphs.extend((work.table, work.scratch))  # the tensors the graph reads, not what holds them

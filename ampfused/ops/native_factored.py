@@ -14,8 +14,8 @@ from torch import Tensor
 
 from .. import _native as _N
 from . import native_args as _A
-from .reference import state_layout
-from .reference_adafactor import factor_layout
+from .factored import factor_layout
+from .reference_common import state_layout
 
 AF_MAX_DIMS = 8
 AF_COLS = 6 + 2 * AF_MAX_DIMS  # the modules' kAfCols (step_constants()["AF_COLS"])
@@ -27,7 +27,7 @@ def table(params: List[Tensor], grads: List[Optional[Tensor]]) -> List[int]:
     rows: List[int] = []
     for i, (p, g) in enumerate(zip(params, grads)):
         if p.dim() > AF_MAX_DIMS:
-            raise ValueError(f"params[{i}] has {p.dim()} dimensions: the native Adafactor step takes at most "
+            raise ValueError(f"params[{i}] has {p.dim()} dimensions: a factored step on a native or Triton backend takes at most "
                              f"{AF_MAX_DIMS} (the reference backend takes any)")
         pad = [0] * (AF_MAX_DIMS - p.dim())
         rows += [p.data_ptr(), 0 if g is None else g.data_ptr(), _N.NO_GRAD if g is None else p.numel(),
@@ -35,7 +35,7 @@ def table(params: List[Tensor], grads: List[Optional[Tensor]]) -> List[int]:
     return rows
 
 
-# The cuda backend's tiles (csrc/cuda/adafactor.cu): a matrix is cut into bands of whole rows of about
+# The cuda backend's tiles (a factored step's csrc/cuda/<kernel>.cu): a matrix is cut into bands of whole rows of about
 # AF_TILE_ELEMS elements (one band per block and pass), a vector into spans of AF_TILE_ELEMS; the column sums are
 # finished in items of AF_COL_CHUNK columns.
 AF_TILE_ELEMS = 16384
@@ -72,7 +72,7 @@ def tiles(params: List[Tensor], grads: List[Optional[Tensor]], tile_elems: Optio
 
 
 def check(backend: str, params, grads, master, factors, steps, partials, inv_scale, lr, out_stats, seed) -> tuple:
-    """The native step's rules beyond the op's own (ops.adafactor.check_inputs); returns ``(master format,
+    """The native step's rules beyond the op's own (ops._public_step's); returns ``(master format,
     seed address)``."""
     fmt, _, seed_ptr = _A.check_step(backend, params, grads, master, [], steps, partials, inv_scale, lr, out_stats,
                                      seed)

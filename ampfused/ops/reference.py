@@ -36,8 +36,6 @@ import torch
 from torch import Tensor
 
 from .._floats import fp32
-# (Adafactor's state is not shaped like the parameters: its step is written in a module of its own)
-from .reference_adafactor import adafactor_step_, factor_layout  # noqa: F401
 from .reference_common import (STATE_ALIGN, _Compact, _commit, _prologue, clip_coef,  # noqa: F401
                                memory_view, reduce_partials, sqrt_rn, state_layout)
 

@@ -15,47 +15,40 @@ import torch
 from torch import Tensor
 
 from .._floats import fp32
-from .reference_common import STATE_ALIGN, _Compact, _commit, _prologue, memory_view, sqrt_rn, state_layout
+from .factored import factor_dims, factor_layout, factor_size, factor_views, factored  # noqa: F401 (its layout)
+from .reference_common import _Compact, _commit, _prologue, memory_view, sqrt_rn, state_layout
 
 EPS1_DEFAULT = float(torch.finfo(torch.float32).eps)  # eps=(None, ...): the eps of the dtype the math runs in
 
 
-def factored(shape: Sequence[int]) -> bool:
-    """Whether a parameter of this shape keeps row and column factors (torch: ``grad.dim() > 1``)."""
-    return len(shape) > 1
+# the public function's documentation (ampfused.ops.adafactor_step_, made from its record in specs.py)
+DOC = """Fused ``torch.optim.Adafactor`` step over parameters where they live (math:
+    :func:`ampfused.ops.reference_adafactor.adafactor_step_`).
+
+    params: T dense tensors of one dtype (any memory layout), updated in place; grads: T entries (``None``
+    leaves a parameter alone), each with its parameter's shape and layout; master: fp32 flat buffer laid out by
+    ``state_layout([p.numel() ...])`` (or int16 remainders, or ``None`` for fp32 params or with ``seed`` for
+    stochastic rounding of bf16 params); factors: fp32 flat buffer of ``factor_layout([p.shape ...])[1]``
+    elements (each matrix's row then column vectors, each other parameter's variance); steps ``[T]`` fp32;
+    partials ``[2, P]``; inv_scale, lr 0-d fp32; out_stats ``[2]`` fp32 (``[norm, found_inf]``);
+    ``eps=(epsilon1 or None, epsilon2)`` as torch.optim.Adafactor takes it.
+    """
 
 
-def factor_dims(shape: Sequence[int]) -> Tuple[int, int, int]:
-    """``(B, R, C)`` of a factored shape: the leading dimensions as one batch, the last two as rows, columns."""
-    return math.prod(shape[:-2]), int(shape[-2]), int(shape[-1])
-
-
-def factor_size(shape: Sequence[int]) -> int:
-    """Elements of ``factors`` a parameter of this shape owns: ``B*R + B*C`` (rows, then columns) when factored,
-    else its number of elements."""
-    if factored(shape):
-        b, r, c = factor_dims(shape)
-        return b * r + b * c
-    return math.prod(shape)
-
-
-def factor_layout(shapes: Sequence[Sequence[int]], align: int = STATE_ALIGN) -> Tuple[List[int], int]:
-    """``(offsets, total)`` of each parameter's slice of ``factors`` (:func:`state_layout` of the sizes)."""
-    return state_layout([factor_size(s) for s in shapes], align)
-
-
-def factor_views(factors: Tensor, offset: int, shape: Sequence[int]) -> dict:
-    """A parameter's state as ``torch.optim.Adafactor`` shows it, as views of ``factors``: ``row_var`` shaped
-    ``[..., R, 1]`` and ``col_var`` ``[..., 1, C]`` (contiguous) when factored, else ``variance`` shaped like
-    the parameter (contiguous)."""
-    shape = tuple(shape)
-    if not factored(shape):
-        n = math.prod(shape)
-        return {"variance": factors[offset:offset + n].view(shape)}
-    b, r, c = factor_dims(shape)
-    rows = factors[offset:offset + b * r].view(shape[:-1] + (1,))
-    cols = factors[offset + b * r:offset + b * r + b * c].view(shape[:-2] + (1, c))
-    return {"row_var": rows, "col_var": cols}
+def check_rules(params, hyper: dict) -> None:
+    """``adafactor_step_``'s own input rules (torch.optim.Adafactor's, with its messages), after the rules every
+    step shares."""
+    for p in params:
+        if p.is_complex():
+            raise RuntimeError("Adafactor does not support complex parameters")
+    if not hyper["beta2_decay"] <= 0.0:
+        raise ValueError(f"beta2_decay should be <= 0 but is: {hyper['beta2_decay']}")
+    if hyper["eps1"] is not None and not 0.0 <= hyper["eps1"]:
+        raise ValueError(f"epsilon1 should be >= 0 but is: {hyper['eps1']}")
+    if not 0.0 <= hyper["eps2"]:
+        raise ValueError(f"epsilon2 should be >= 0 but is: {hyper['eps2']}")
+    if not 1.0 <= hyper["d"]:
+        raise ValueError(f"Clipping threshold d should be >= 1 but is: {hyper['d']}")
 
 
 def _max(a: Tensor, floor: float) -> Tensor:

@@ -1,7 +1,7 @@
 """What every step of the specification shares, whatever its optimizer: the prologue (the partials reduced to
 the norm and the skip flag, the clip coefficient), the layout of the flat state buffers and the memory order the
 steps walk, the correctly rounded square root, the loads and stores of compact state, and the write that a
-skipped step leaves undone. :mod:`ampfused.ops.reference` and :mod:`ampfused.ops.reference_adafactor` build
+skipped step leaves undone. :mod:`ampfused.ops.reference` and the other reference modules build
 their steps from these; the conventions are those of :mod:`ampfused.ops.reference`.
 """
 from __future__ import annotations

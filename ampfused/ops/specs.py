@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
-from .reference_adafactor import EPS1_DEFAULT
+from . import reference_adafactor
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,10 @@ class OpSpec:
     hyper: Dict[str, object] = field(default_factory=dict)
     hypers: Tuple[Hyper, ...] = ()
     doc: str = ""  # a step op's public function (ampfused.ops.<name>), made from this record, documented so
-    layout: str = "flat"  # a step's state layout: "flat" (state_layout of the numels) or "factored" (its own)
+    layout: str = "flat"  # a step's state layout: "flat" (state_layout of the numels) or "factored" (ops/factored.py)
+    reference: str = "reference"  # the module of ampfused.ops that holds its reference function (the specification)
+    rules: Optional[Callable] = None  # a step's own input rules, ``rules(params, hyper)``, after the shared ones
+    groups: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()  # hyperparameters its public function takes as one tuple
 
     def __post_init__(self):
         names = [a.name for a in self.args]
@@ -118,7 +121,7 @@ MAXIMIZE = Hyper("maximize", "bool", default=False)
 
 
 def step_op(name: str, states: Tuple[State, ...], hyper: Tuple[Hyper, ...], *, state_scales: bool = True,
-            layout: str = "flat", doc: str = "") -> OpSpec:
+            doc: str = "", **record) -> OpSpec:
     """A step op: the parameters, their gradients and master, ``states``, the step counts and what K1 left,
     ``hyper``, the backend; then the compact state's arguments (``state_scales``: takes 8-bit block scales)."""
     args = (Arg("params", "Tensor[]", True), Arg("grads", "Tensor?[]"), Arg("master", "Tensor?", True),
@@ -127,7 +130,7 @@ def step_op(name: str, states: Tuple[State, ...], hyper: Tuple[Hyper, ...], *, s
             Arg("lr", "Tensor"), Arg("out_stats", "Tensor", True), *hyper, Arg("backend", "str"),
             Arg("seed", "Tensor?"), *((Arg("state_scales", "Tensor?", True),) if state_scales else ()))
     return OpSpec(name, args, probe="steps", states=tuple(states), hyper={h.name: h.default for h in hyper},
-                  hypers=tuple(hyper), layout=layout, doc=doc)
+                  hypers=tuple(hyper), doc=doc, **record)
 
 
 # the public functions' documentation (ampfused.ops.adam_step_, ...)
@@ -170,7 +173,8 @@ SPECS: Dict[str, OpSpec] = {s.name: s for s in (
         Hyper("beta1", "float", 0.9), Hyper("beta2", "float", 0.99), Hyper("weight_decay", "float", 0.0),
         MAX_NORM, MAXIMIZE), doc=LION_DOC),
     step_op("adafactor_step_", (State("factors"),), (
-        Hyper("beta2_decay", "float", -0.8), Hyper("eps1", "float?", None, none=EPS1_DEFAULT),
+        Hyper("beta2_decay", "float", -0.8), Hyper("eps1", "float?", None, none=reference_adafactor.EPS1_DEFAULT),
         Hyper("eps2", "float", 1e-3), Hyper("d", "float", 1.0), Hyper("weight_decay", "float", 0.0), MAX_NORM,
-        MAXIMIZE), state_scales=False, layout="factored"),
+        MAXIMIZE), state_scales=False, layout="factored", reference="reference_adafactor",
+        rules=reference_adafactor.check_rules, groups=(("eps", ("eps1", "eps2")),), doc=reference_adafactor.DOC),
 )}

@@ -315,7 +315,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                       self._backend_name(seg, grads))
 
     def _backend_name(self, seg: Segment, grads: List[Optional[Tensor]]) -> str:
-        return ops.step_backend(seg.device, ops._step_dtypes(seg.tensors(), grads, seg.master), self.backend)
+        return ops.step_backend(seg.device, ops._step_dtypes(seg.tensors(), grads, seg.master), self.backend,
+                                self.step_op)
 
     @property
     def last_grad_norm(self) -> Tensor:

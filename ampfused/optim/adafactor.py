@@ -11,7 +11,7 @@ from torch import Tensor
 from .. import ops
 from . import _params as P
 from . import _precision
-from ._adafactor_state import AdafactorSegment, import_state_dict
+from ._factored_state import FactoredSegment, import_state_dict
 from ._base import FusedOptimizer
 from ._step_op import StepOp
 
@@ -78,7 +78,7 @@ class AdafactorMath(StepOp):
 
     step_op = "adafactor_step_"
     state_names = ("row_var", "col_var", "variance")
-    segment_class = AdafactorSegment
+    segment_class = FactoredSegment
     takes_host_pass = False  # no backend takes Adafactor's tables yet: the Python path (one op per segment)
     # what torch.optim.Adafactor.__setstate__ gives a group key that a loaded (older) state dict lacks
     torch_load_defaults = dict(foreach=None, maximize=False)
@@ -94,7 +94,7 @@ class AdafactorMath(StepOp):
         _check(group["lr"], group["beta2_decay"], group["eps"], group["d"], group["weight_decay"], where)
 
     def _state_names_for(self, group: dict) -> tuple:
-        return ()  # (its segments make their factored state themselves: AdafactorSegment)
+        return ()  # (its segments make their factored state themselves: FactoredSegment)
 
     def _op_hyper(self, group: dict) -> dict:
         eps1, eps2 = group["eps"]
@@ -106,20 +106,15 @@ class AdafactorMath(StepOp):
         if seg.sharded:
             self._sharded_step(seg, params, grads, group, partials, inv_scale, lr, max_norm)
             return
-        backend = ops.adafactor.pick(seg.device, ops._step_dtypes(params, grads, seg.master), self.backend)
         super()._step_op(seg, params, grads, group, partials, inv_scale, lr, max_norm, backend)
 
     def _sharded_step(self, seg, params, grads, group, partials, inv_scale, lr, max_norm) -> None:
         """FSDP2: the step over this rank's shards in torch operations (the reference math, summing each whole
         parameter's sums over the ranks of the split on the device: two all-reduces for the segment)."""
-        from ..ops.adafactor import check_inputs
-        from ..ops.reference_adafactor import adafactor_step_sharded_
-        eps1, eps2 = group["eps"]
-        eps1 = None if eps1 is None else float(eps1)
-        seed = getattr(seg, "seed", None)
-        check_inputs(params, grads, seg.master, seg.states["factors"], seg.steps, partials, inv_scale, lr,
-                     self._stats, seed, float(group["beta2_decay"]), eps1, float(eps2), float(group["d"]),
-                     float(group["weight_decay"]), max_norm)
+        from ..ops.factored import adafactor_step_sharded_
+        call = self._step_call(seg, group, partials, inv_scale, lr, max_norm, params=params, grads=grads)
+        ops.check_step(call)
+        h = call.hyper
         shard_groups = self._segs.shard_groups
 
         def reduce(t: Tensor) -> None:
@@ -129,9 +124,8 @@ class AdafactorMath(StepOp):
         with torch.no_grad():
             adafactor_step_sharded_(
                 params, grads, seg.master, seg.states["factors"], seg.steps, partials, inv_scale, lr, self._stats,
-                float(group["beta2_decay"]), eps1, float(eps2), float(group["d"]), float(group["weight_decay"]),
-                max_norm, bool(group["maximize"]), seed, [tuple(p.shape) for p in seg.params],
-                [shard_dim(p) for p in seg.params], reduce)
+                h["beta2_decay"], h["eps1"], h["eps2"], h["d"], h["weight_decay"], max_norm, h["maximize"],
+                call.seed, [tuple(p.shape) for p in seg.params], [shard_dim(p) for p in seg.params], reduce)
 
     def _import_state_dict(self, state_dict: dict) -> None:
         import_state_dict(self, state_dict)

@@ -1,6 +1,7 @@
-"""Adafactor's state in a segment: one flat fp32 ``factors`` buffer per segment (each matrix's row and column
-vectors, each other parameter's variance), shown in ``optimizer.state`` and state dicts as torch.optim.Adafactor
-shows it (``row_var`` ``[..., R, 1]``, ``col_var`` ``[..., 1, C]``, ``variance`` shaped like the parameter)."""
+"""A factored state in a segment (``layout="factored"``, :mod:`ampfused.ops.factored`): one flat fp32 ``factors``
+buffer per segment (each matrix's row and column vectors, each other parameter's variance), shown in
+``optimizer.state`` and state dicts as torch.optim shows a factored second moment (``row_var`` ``[..., R, 1]``,
+``col_var`` ``[..., 1, C]``, ``variance`` shaped like the parameter)."""
 from __future__ import annotations
 
 from typing import Dict
@@ -8,7 +9,7 @@ from typing import Dict
 import torch
 from torch import Tensor
 
-from ..ops.reference_adafactor import factor_layout, factor_size, factor_views, factored
+from ..ops.factored import factor_layout, factor_size, factor_views, factored
 from ._segment import Segment, local
 
 FACTORED_KEYS = ("row_var", "col_var")
@@ -20,7 +21,7 @@ def state_keys(shape) -> tuple:
     return FACTORED_KEYS if factored(tuple(shape)) else VECTOR_KEYS
 
 
-class AdafactorSegment(Segment):
+class FactoredSegment(Segment):
     """A :class:`Segment` whose state is ``factors`` (laid out by ``factor_layout``), not moments shaped like the
     parameters; masters, remainders and stochastic rounding as any segment's."""
 
@@ -35,7 +36,7 @@ class AdafactorSegment(Segment):
         return flat[off:off + factor_size(self.layouts[i][2])]
 
     def state_views(self, i: int) -> Dict[str, Tensor]:
-        """Parameter ``i``'s factors as torch.optim.Adafactor shows them; for FSDP2, DTensors placed as
+        """Parameter ``i``'s factors as torch.optim shows them; for FSDP2, DTensors placed as
         :func:`factor_placements` says, whole shapes, over this rank's factors."""
         views = factor_views(self.states["factors"], self.factor_offsets[i], self.layouts[i][2])
         if not self.sharded:
@@ -51,7 +52,7 @@ class AdafactorSegment(Segment):
 
     def carry_states(self, i: int, prev: Segment, j: int) -> None:
         """Parameter ``prev[j]``'s factors into parameter ``i`` (same shape: the caller checks)."""
-        if isinstance(prev, AdafactorSegment):
+        if isinstance(prev, FactoredSegment):
             self.factor_slice(i).copy_(prev.factor_slice(j))
 
     def load_factors(self, i: int, entry: dict, flat: Tensor) -> None:
@@ -63,7 +64,7 @@ class AdafactorSegment(Segment):
 
 
 def full_factor_shape(shape: tuple, key: str) -> tuple:
-    """The shape of state ``key`` of a whole parameter of ``shape`` (torch.optim.Adafactor's)."""
+    """The shape of state ``key`` of a whole parameter of ``shape`` (torch.optim's)."""
     if key == "row_var":
         return shape[:-1] + (1,)
     if key == "col_var":
@@ -92,7 +93,7 @@ def _contiguous_strides(shape: tuple) -> tuple:
 
 
 def check_entry(key_shapes: dict, e: dict, where: str, param=None) -> None:
-    """A loaded entry's factors: floating-point dense tensors of torch.optim.Adafactor's shapes (``key_shapes``:
+    """A loaded entry's factors: floating-point dense tensors of torch.optim's shapes (``key_shapes``:
     this rank's). For a DTensor ``param`` (FSDP2), DTensors of the whole shapes placed by
     :func:`factor_placements`, whose local tensors have this rank's shapes."""
     from ._segment import is_dtensor
@@ -132,7 +133,7 @@ def _load_master(seg, i: int, e: dict, p: Tensor, master: Tensor) -> None:
 
 
 def import_state_dict(opt, state_dict: dict) -> None:
-    """``opt.load_state_dict(sd)`` for Adafactor, from ours or from torch.optim.Adafactor's: everything checked,
+    """``opt.load_state_dict(sd)`` for an optimizer whose state is factored, from ours or from torch.optim's: everything checked,
     the new buffers built aside, then swapped in."""
     from ._state import _saved_step, checked_groups, finish_load, swap_loaded
     saved_state, sid_of, new_groups = checked_groups(opt, state_dict)
