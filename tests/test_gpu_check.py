@@ -149,10 +149,16 @@ def test_no_gpu_flag_and_missing_sanitizer(tmp_path, monkeypatch):
         assert s["status"] == "SKIP" and "compute-sanitizer not found" in s["reason"] and "/nowhere" in s["reason"]
 
 
-def test_unused_time_rolls_over_while_later_stages_keep_their_limits(tmp_path):
+def _run(tmp_path, monkeypatch, args):
+    """A run not carried to its end (``finish`` removes its working folder): that folder under ``tmp_path``."""
+    monkeypatch.setattr(gpu_check.tempfile, "tempdir", str(tmp_path))
+    return gpu_check.Run(args)
+
+
+def test_unused_time_rolls_over_while_later_stages_keep_their_limits(tmp_path, monkeypatch):
     args = gpu_check.parser().parse_args([str(tmp_path / "o"), "--skip", "build"])
     args.limit = dict(args.limit)
-    run = gpu_check.Run(args)
+    run = _run(tmp_path, monkeypatch, args)
     i = gpu_check.STAGE_NAMES.index
     later = sum(s.limit for s in gpu_check.STAGES[i("info") + 1:])
     # CUDA not known yet: the GPU stages keep their reserve
@@ -341,19 +347,19 @@ def test_parts_merge_into_one_summary(tmp_path):
     assert "| no-wait | kernels | SKIP |" in md and "**overall: PASS with skips**" in md
 
 
-def _commands(tmp_path, *argv):
+def _commands(tmp_path, monkeypatch, *argv):
     args = gpu_check.parser().parse_args([str(tmp_path / "o"), *argv])
     args.limit = dict(args.limit)
     args.budget = args.budget or gpu_check.DEFAULT_BUDGET
-    run = gpu_check.Run(args)
+    run = _run(tmp_path, monkeypatch, args)
     run.sanitizer = "/opt/cuda/bin/compute-sanitizer"
     return {s.name: run.command_for(s) for s in gpu_check.STAGES}
 
 
-def test_sanitizer_commands_wait_for_cuda_and_check_ampfused_kernels(tmp_path):
+def test_sanitizer_commands_wait_for_cuda_and_check_ampfused_kernels(tmp_path, monkeypatch):
     """memcheck, racecheck and synccheck instrument ampfused's kernels only (memcheck over the whole workload gave no
     result in 120 s on an H200); initcheck sees every kernel's writes; none gives up on a slow CUDA start."""
-    cmds = _commands(tmp_path)
+    cmds = _commands(tmp_path, monkeypatch)
     for tool in gpu_check.SANITIZER_TOOLS:
         cmd, env, why = cmds[f"sanitizer-{tool}"]
         assert not why and cmd[:3] == ["/opt/cuda/bin/compute-sanitizer", "--tool", tool]
@@ -380,7 +386,7 @@ def test_sanitizer_commands_wait_for_cuda_and_check_ampfused_kernels(tmp_path):
 def test_pytest_stages_share_out_the_cores(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "xdist_available", lambda: True)
     monkeypatch.setattr(gpu_check.os, "cpu_count", lambda: 16)
-    cmds = _commands(tmp_path, "--gpu-workers", "8", "--workers", "14")
+    cmds = _commands(tmp_path, monkeypatch, "--gpu-workers", "8", "--workers", "14")
     cmd, env, _ = cmds["suite-gpu"]
     assert cmd[cmd.index("-n") + 1] == "8" and env == {"OMP_NUM_THREADS": "2"}
     cmd, env, _ = cmds["suite-rest"]
@@ -388,12 +394,12 @@ def test_pytest_stages_share_out_the_cores(tmp_path, monkeypatch):
     cmd, env, _ = cmds["no-wait"]
     assert cmd[cmd.index("-n") + 1] == str(gpu_check.NO_WAIT_WORKERS) and cmd[-1] == gpu_check.NO_WAIT_TESTS
     monkeypatch.setattr(gpu_check, "xdist_available", lambda: False)
-    cmd, env, _ = _commands(tmp_path)["suite-gpu"]
+    cmd, env, _ = _commands(tmp_path, monkeypatch)["suite-gpu"]
     assert "-n" not in cmd and env == {}
 
 
-def test_build_is_incremental_in_place_then_an_editable_install(tmp_path):
-    cmd, env, _ = _commands(tmp_path, "--archs", "90", "--jobs", "16")["build"]
+def test_build_is_incremental_in_place_then_an_editable_install(tmp_path, monkeypatch):
+    cmd, env, _ = _commands(tmp_path, monkeypatch, "--archs", "90", "--jobs", "16")["build"]
     assert env == {"AMPFUSED_CUDA_ARCHS": "90", "MAX_JOBS": "16"}
     assert cmd[:2] == ["sh", "-c"] and "setup.py build_ext --inplace &&" in cmd[2]
     assert "AMPFUSED_SKIP_NATIVE_BUILD=1" in cmd[2] and cmd[2].endswith("pip install -q --no-build-isolation "
