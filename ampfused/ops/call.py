@@ -82,20 +82,19 @@ class StepCall:
             out.append((s.name, t))
         return out
 
+    def resolved(self, name: str):
+        """Hyperparameter ``name`` as given, an optional one's ``None`` as its record's ``none``."""
+        v = self.hyper[name]
+        return self.spec.hyper_none[name] if v is None else v
+
     def hyper_values(self, names) -> List[float]:
-        """The hyperparameters ``names`` (in that order: the order a kernel reads them) as floats: bools as 0 / 1,
-        an optional one's ``None`` as its record's ``none``."""
-        none = {h.name: h.none for h in self.spec.hypers}
-        out = []
-        for n in names:
-            v = self.hyper[n]
-            out.append(float(none[n] if v is None else v))
-        return out
+        """The hyperparameters ``names`` (in that order: the order a kernel reads them) as floats (bools as 0 / 1,
+        ``None`` resolved): the native modules' arguments."""
+        return [float(self.resolved(n)) for n in names]
 
     def hyper_args(self) -> list:
-        """The hyperparameters in the record's order as given, an optional one's ``None`` as its record's ``none``
-        (the Triton launchers' arguments)."""
-        return [h.none if self.hyper[h.name] is None else self.hyper[h.name] for h in self.spec.hypers]
+        """The hyperparameters in the record's order (``None`` resolved): the Triton launchers' arguments."""
+        return [self.resolved(h.name) for h in self.spec.hypers]
 
     def tensors_written(self) -> List[Tensor]:
         """What the step writes (the parameters that have a gradient among them), for version counters."""

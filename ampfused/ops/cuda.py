@@ -312,15 +312,7 @@ class CudaBackend(CpuBackend):
                 raise ValueError(f"state_scales must have {-(-total // _QBLOCK)} columns (one per block of {_QBLOCK} "
                                  f"elements of the flat buffers) for the {self.name} backend, got shape "
                                  f"{list(state_scales.shape)}")
-            _A.check_device("partials", partials, dev)
-            if partials.dtype != torch.float32 or partials.dim() != 2 or partials.shape[0] != 2:
-                raise ValueError(f"partials must be a float32 [2, P] tensor, got {partials.dtype} "
-                                 f"{tuple(partials.shape)}")
-            _A.check_device("out_stats", call.out_stats, dev)
-            out_stats = call.out_stats
-            if out_stats.dtype != torch.float32 or out_stats.numel() != 2 or not out_stats.is_contiguous():
-                raise ValueError(f"out_stats must be a contiguous float32 tensor of 2 elements, got {out_stats.dtype} "
-                                 f"{tuple(out_stats.shape)}")
+            out_stats = call.out_stats  # (partials and out_stats: native_args.check_step)
             count, pcode, gcode = len(params), _N.DTYPE_CODES[params[0].dtype] if params else 0, _A.grad_code(grads)
 
             def check():

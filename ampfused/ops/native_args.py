@@ -76,6 +76,13 @@ def check_step(backend: str, params, grads, master: Optional[Tensor], states, st
     check_scalar("lr", lr, tuple(SCALAR_CODES), dev, backend)
     check_scalar("inv_scale", inv_scale, (torch.float32,), dev, backend)
     _dtype_rule("steps", steps, tuple(SCALAR_CODES), backend)
+    check_device("partials", partials, dev)
+    if partials.dtype != torch.float32 or partials.dim() != 2 or partials.shape[0] != 2:
+        raise ValueError(f"partials must be a float32 [2, P] tensor, got {partials.dtype} {tuple(partials.shape)}")
+    check_device("out_stats", out_stats, dev)
+    if out_stats.dtype != torch.float32 or out_stats.numel() != 2 or not out_stats.is_contiguous():
+        raise ValueError(f"out_stats must be a contiguous float32 tensor of 2 elements, got {out_stats.dtype} "
+                         f"{tuple(out_stats.shape)}")
     if compact:
         return fmt.master, STATE_CODES[fmt.state_dtype or torch.float32], ptr(seed)
     return 0, 0, 0

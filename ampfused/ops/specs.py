@@ -75,6 +75,11 @@ class OpSpec:
         return tuple(a.name for a in self.args)
 
     @property
+    def hyper_none(self) -> Dict[str, Optional[float]]:
+        """What the kernels get for each hyperparameter given as ``None`` (:attr:`Hyper.none`)."""
+        return {h.name: h.none for h in self.hypers}
+
+    @property
     def written(self) -> Tuple[int, ...]:
         return tuple(i for i, a in enumerate(self.args) if a.writes)
 
