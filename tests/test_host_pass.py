@@ -4,6 +4,7 @@ must take the step exactly where the Python path takes it (same bits), hand ever
 place to the Python path (which follows, copies or refuses), and bump version counters as the Python path does.
 """
 import copy
+import math
 
 import pytest
 import torch
@@ -72,11 +73,15 @@ def _model():
 
 def _train(kind, steps=6, set_to_none=True, inject_inf_at=3, backend="cpu", device="cpu", toggle=True):
     model = _model().to(device)
+    if kind == "adafactor":  # a matrix laid out transposed in memory: its factors follow its logical rows
+        model[2].weight = torch.nn.Parameter(model[2].weight.detach().t().contiguous().t())
     decay = [model[0].weight, model[2].weight]
     rest = [model[0].bias, model[2].bias, model[4].weight, model[4].bias]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
     if kind == "adamw":
         opt = ampfused.FusedAdamW(groups, lr=1e-2, max_grad_norm=1.0, backend=backend)
+    elif kind == "adafactor":
+        opt = ampfused.FusedAdafactor(groups, lr=1e-2, max_grad_norm=1.0, backend=backend)
     else:
         opt = ampfused.FusedSGD(groups, lr=1e-2, momentum=0.9, nesterov=True, max_grad_norm=1.0, backend=backend)
     scaler = ampfused.GradScaler(device, init_scale=2.0 ** 8, backend=backend)
@@ -107,7 +112,7 @@ def _assert_same_run(a, b):
 
 @needs_host
 @needs_cpu
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "adafactor"])
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["grads-set-to-None", "grads-zeroed-in-place"])
 def test_the_host_pass_takes_the_python_paths_step(kind, set_to_none, counting, monkeypatch):
     fast = _train(kind, set_to_none=set_to_none)
@@ -118,7 +123,7 @@ def test_the_host_pass_takes_the_python_paths_step(kind, set_to_none, counting, 
 
 @needs_host
 @pytest.mark.skipif("triton" not in cpu_backends(), reason="Triton does not run here")
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "adafactor"])
 def test_the_host_pass_feeds_the_triton_kernels_as_the_python_path_does(kind, counting, monkeypatch):
     fast = _train(kind, steps=4, inject_inf_at=2, backend="triton")
     assert counting.statuses.count(0) >= 3 * 2, counting.statuses
@@ -171,7 +176,7 @@ def test_warm_table_steps_reuse_the_triton_plans(counting):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "adafactor"])
 def test_the_host_pass_feeds_the_gpu_kernels_as_the_python_path_does(kind, backend, counting, monkeypatch):
     """On a GPU: K1 from the segments' device tables (one launch per segment) and K2 from the same cached work
     give the Python path's bits, a parameter without a gradient and an overflow step included."""
@@ -511,3 +516,48 @@ def test_fresh_gradients_upload_the_table_alone_on_the_cuda_backend(monkeypatch)
     assert rebuilt.lists is rebuilt.dev and rebuilt.num_chunks == 3 + 1 and rebuilt.num_columns == 9 + 2
     assert watch.kept() == 0
     C._works.clear()
+
+
+@needs_host
+@needs_cpu
+def test_a_factored_steps_host_table_reaches_the_cuda_backend_as_its_tensors_would(monkeypatch):
+    """FusedAdafactor's host-pass table on the CUDA backend (its module a recorder, its upload a copy as on a
+    device): the device table holds exactly the rows and tiles the backend makes of the same tensors (a matrix
+    laid out transposed, one of three dimensions, a vector), uploaded again only when the host pass says the
+    table changed (fresh gradient tensors)."""
+    from ampfused.ops import cuda as C
+    from ampfused.ops import native_factored as AF
+    calls = []
+    backend, _ = _recording_cuda_backend(monkeypatch, calls)
+    C._factored_tables.clear()
+    params = [torch.nn.Parameter(torch.randn(30, 40, dtype=torch.bfloat16).t()),
+              torch.nn.Parameter(torch.randn(3, 4, 5, dtype=torch.bfloat16)),
+              torch.nn.Parameter(torch.randn(7, dtype=torch.bfloat16))]
+    opt = ampfused.FusedAdafactor(params, lr=0.1, backend="cpu")
+    partials, inv = torch.zeros(2, 1), torch.ones(())
+
+    def step():
+        opt.step()  # (the cpu backend's step from the host pass's table: it writes the table the cuda backend reads)
+        seg = opt._segs.segments[0]
+        calls.clear()
+        backend.step(opt._step_call(seg, opt.param_groups[0], partials, inv, seg.lr, math.inf,
+                                    table=seg.step_table(), dtype=seg.dtype))
+        (work,) = C._factored_tables.values()
+        rows = AF.table(seg.tensors(), [p.grad for p in seg.params])
+        assert work.rows == rows and work.table.tolist() == rows + AF.tiles(seg.tensors(), [p.grad for p in
+                                                                                             seg.params])[0]
+        assert [name for name, _ in calls] == ["step"]
+        return work
+
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # builds the segments (the Python path); the host pass writes the table from the next step on
+    step()
+    uploads = C.stats["uploads"]
+    step()
+    assert C.stats["uploads"] == uploads  # the same tensors: nothing uploaded
+    for p in params:
+        p.grad = torch.randn_like(p)  # fresh tensors
+    step()
+    assert C.stats["uploads"] == uploads + 1
+    C._factored_tables.clear()

@@ -184,29 +184,39 @@ class CpuBackend(Backend):
 
     # ---- a factored state: a table of its own (the state is not laid out like the parameters) -------------
     def _factored_step(self, call: StepCall) -> None:
-        """A step whose state is factored (``native_factored``: its table, its rules), from the tensors."""
-        if call.table is not None or call.options:
-            raise TypeError(f"{call.spec.name} takes its tensors, without options, on the {self.name} backend")
-        params, grads = list(call.params), list(call.grads)
+        """A step whose state is factored (``native_factored``: its table, its rules), from the tensors or from a
+        fused optimizer's table (its segment's ``FactoredSegment.step_table``)."""
+        if call.options:
+            raise TypeError(f"{call.spec.name} takes no options on the {self.name} backend")
         factors = call.states[call.spec.states[0].name]
-        fmt, seed = _AF.check(self.name, params, grads, call.master, factors, call.steps, call.partials,
-                              call.inv_scale, call.lr, call.out_stats, call.seed)
+        if call.table is None:
+            params, grads = list(call.params), list(call.grads)
+            fmt, seed = _AF.check(self.name, params, grads, call.master, factors, call.steps, call.partials,
+                                  call.inv_scale, call.lr, call.out_stats, call.seed)
+            count, rows = len(params), _AF.table(params, grads)
+            pcode, gcode = _N.DTYPE_CODES[params[0].dtype] if params else 0, _A.grad_code(grads)
+        else:
+            fmt, _, seed = _N.compact_args(call.dtype, call.master, None, call.seed)
+            count, rows = call.table[1], None
+            pcode = gcode = _N.DTYPE_CODES[call.dtype]
         partials = _A.partials_arg(call.partials)  # (alive until the call below returns)
-        place = self._place_factored(params, grads, call.steps)
+        place = self._place_factored(call.table, rows, count, call.steps)
         mod = self._mod()
         pack = _A.packer(mod)
         slots = pack.slots(place, dict(
-            count=len(params), param_dtype=_N.DTYPE_CODES[params[0].dtype] if params else 0,
-            grad_dtype=_A.grad_code(grads), master=_N.ptr(call.master), state1=factors.data_ptr(),
+            count=count, param_dtype=pcode, grad_dtype=gcode, master=_N.ptr(call.master), state1=factors.data_ptr(),
             steps=call.steps.data_ptr(), step_code=_N.SCALAR_CODES[call.steps.dtype], partials=partials.data_ptr(),
             num_partials=partials.shape[1], inv_scale=call.inv_scale.data_ptr(), lr=call.lr.data_ptr(),
             lr_code=_N.SCALAR_CODES[call.lr.dtype], out_stats=call.out_stats.data_ptr(), master_format=fmt,
             seed=seed))
         mod.step(call.spec.name, slots, pack.hyper(call), *place.get("rows", ()))
 
-    def _place_factored(self, params, grads, steps: Tensor) -> dict:
-        """Where a factored step's table is and where it runs: here its rows as ints."""
-        return dict(threads=torch.get_num_threads(), rows=(_AF.table(params, grads),))
+    def _place_factored(self, table, rows, count: int, steps: Tensor) -> dict:
+        """Where a factored step's table is and where it runs: here its rows as ints, or a fused optimizer's
+        host table by its address."""
+        if rows is None:
+            return dict(threads=torch.get_num_threads(), table=table[0])
+        return dict(threads=torch.get_num_threads(), rows=(rows,))
 
 
 BACKEND = CpuBackend()

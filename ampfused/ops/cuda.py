@@ -133,12 +133,13 @@ class _FactoredWork:
     (column sums per band, and per tile the sums of w*w, of the new row factors and of u*u), kept while the shapes
     and the parameters that have a gradient stay the same."""
 
-    def __init__(self, layout: tuple, params, grads, device: torch.device):
+    def __init__(self, layout: tuple, device: torch.device):
         self.layout, self.tile_elems = layout, _AF.AF_TILE_ELEMS
-        self.info, self.num_tiles, self.num_items, self.num_colparts = _AF.tiles(params, grads, self.tile_elems)
+        self.info, self.num_tiles, self.num_items, self.num_colparts = _AF.tiles_of(layout, self.tile_elems)
         self.scratch = torch.empty(max(1, self.num_colparts + 3 * self.num_tiles), dtype=torch.float64,
                                    device=device)
         self.rows: Optional[List[int]] = None
+        self.stamp = None  # a fused optimizer's table: the stamp of the rows uploaded
 
     def upload(self, rows: List[int], device: torch.device) -> None:
         host, view = _work.staging(len(rows) + len(self.info), device)
@@ -146,10 +147,7 @@ class _FactoredWork:
         view[len(rows):len(rows) + len(self.info)] = self.info
         self.table = _work.upload(host, device)  # host goes back to torch's page-locked cache once copied
         self.rows = rows
-
-
-def _factored_layout(params, grads) -> tuple:
-    return tuple((tuple(p.shape), g is None) for p, g in zip(params, grads))
+        stats["uploads"] += 1
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds of torch
@@ -347,22 +345,27 @@ class CudaBackend(CpuBackend):
         return partials
 
     # ---- a factored state (see cpu.py) ---------------------------------------------------------------------
-    def _place_factored(self, params, grads, steps: Tensor) -> dict:
-        """The factored step's table and its tiles uploaded to the device once per call site (its step tensor),
-        asynchronously from page-locked memory, and reused while the table holds the same ints; the step is one
+    def _place_factored(self, table, rows, count: int, steps: Tensor) -> dict:
+        """The factored step's table (``rows``, or a fused optimizer's host ``table``) and its tiles uploaded to
+        the device once per call site (its step tensor), asynchronously from page-locked memory, and reused while
+        the table holds the same ints (a fused optimizer's: while its stamp is the same); the step is one
         cooperative launch over every tile (its op's ``csrc/cuda/<kernel>.cu``)."""
-        rows = _AF.table(params, grads)
         index = _device_index(steps.device)
         key = (index, steps.data_ptr())
         work = _factored_tables.get(key)
-        if work is None or work.rows != rows or work.tile_elems != _AF.AF_TILE_ELEMS:
-            if _capturing(index):
-                raise RuntimeError("the cuda backend cannot upload a new factored-step table while a CUDA graph is being "
-                                   "captured: run one step eagerly with exactly these tensors before capturing it")
-            layout = _factored_layout(params, grads)
-            if work is None or work.layout != layout or work.tile_elems != _AF.AF_TILE_ELEMS:
-                work = _factored_tables[key] = _FactoredWork(layout, params, grads, steps.device)
-            work.upload(rows, steps.device)
+        stamp = table[3][0] if table is not None else None
+        if work is None or stamp is None or work.stamp != stamp or work.tile_elems != _AF.AF_TILE_ELEMS:
+            rows = rows if table is None else table[2].reshape(-1).tolist()
+            if work is None or work.rows != rows or work.tile_elems != _AF.AF_TILE_ELEMS:
+                if _capturing(index):
+                    raise RuntimeError("the cuda backend cannot upload a new factored-step table while a CUDA graph "
+                                       "is being captured: run one step eagerly with exactly these tensors before "
+                                       "capturing it")
+                layout = _AF.layout(rows, count)
+                if work is None or work.layout != layout or work.tile_elems != _AF.AF_TILE_ELEMS:
+                    work = _factored_tables[key] = _FactoredWork(layout, steps.device)
+                work.upload(rows, steps.device)
+            work.stamp = stamp
         if _capturing(index):
             _kept_for_graphs.extend((work.table, work.scratch))  # the tensors the graph reads, not what holds them
         device, stream = self._device_args(steps.device)

@@ -43,26 +43,40 @@ AF_COL_CHUNK = 256
 AF_INFO = 4  # ints per row of the tile layout
 
 
+def layout(rows: List[int], count: int) -> tuple:
+    """What a table's tile layout depends on: each parameter's shape and whether it has no gradient."""
+    out = []
+    for k in range(count):
+        row = rows[k * AF_COLS:(k + 1) * AF_COLS]
+        out.append((tuple(row[6:6 + row[5]]), row[2] == _N.NO_GRAD))
+    return tuple(out)
+
+
 def tiles(params: List[Tensor], grads: List[Optional[Tensor]], tile_elems: Optional[int] = None) -> tuple:
-    """The tile layout of the cuda backend's factored step: ``(info, tiles, column items, partials)``. ``info``
-    holds, for each parameter and one past the last, its first tile, the rows of its bands (a vector: the
-    elements of its spans), the offset of its column partial sums (fp64, a band's C in a row) and its first column
-    item; a parameter without a gradient has none. ``partials``: the length of the column partial sums."""
+    """The tile layout of the cuda backend's factored step over these tensors (:func:`tiles_of`)."""
+    return tiles_of(tuple((tuple(p.shape), g is None) for p, g in zip(params, grads)), tile_elems)
+
+
+def tiles_of(shapes: tuple, tile_elems: Optional[int] = None) -> tuple:
+    """The tile layout of the cuda backend's factored step (``shapes``: :func:`layout`'s pairs): ``(info, tiles,
+    column items, partials)``. ``info`` holds, for each parameter and one past the last, its first tile, the rows
+    of its bands (a vector: the elements of its spans), the offset of its column partial sums (fp64, a band's C
+    in a row) and its first column item; a parameter without a gradient has none. ``partials``: the length of the
+    column partial sums."""
     tile_elems = AF_TILE_ELEMS if tile_elems is None else int(tile_elems)
     info: List[int] = []
     first = colbase = item = 0
-    for p, g in zip(params, grads):
-        shape = tuple(p.shape)
+    for shape, no_grad in shapes:
         band = tile_elems
         ntiles = nitems = 0
-        if g is not None and len(shape) > 1:
+        if not no_grad and len(shape) > 1:
             lead = math.prod(shape[:-2])
             r, c = shape[-2], shape[-1]
             band = max(1, min(r, tile_elems // max(c, 1)))
             ntiles = lead * (-(-r // band))
             nitems = lead * (-(-c // AF_COL_CHUNK))
-        elif g is not None:
-            ntiles = -(-p.numel() // tile_elems)
+        elif not no_grad:
+            ntiles = -(-math.prod(shape) // tile_elems)
         info += [first, band, colbase, item]
         first += ntiles
         colbase += ntiles * (shape[-1] if len(shape) > 1 else 0)

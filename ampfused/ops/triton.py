@@ -294,14 +294,19 @@ class TritonBackend(Backend):
     # ---- a factored state: a table of its own (the state is not laid out like the parameters) -------------
     def _factored_step(self, call: StepCall) -> None:
         """A factored step: one launch, one program per parameter (``triton_kernels/<kernel>.py``), its table
-        (``native_factored.table``) uploaded once per call site and reused while the tensors stay the same."""
-        if call.table is not None:
-            raise TypeError(f"{call.spec.name} takes its tensors on the {self.name} backend")
-        params, grads, master, steps, seed = list(call.params), list(call.grads), call.master, call.steps, call.seed
+        (``native_factored.table``, or a fused optimizer's) uploaded once per call site and reused while it holds
+        the same ints."""
+        master, steps, seed = call.master, call.steps, call.seed
         factors = call.states[call.spec.states[0].name]
-        _AF.check(self.name, params, grads, master, factors, steps, call.partials, call.inv_scale, call.lr,
-                  call.out_stats, seed)
-        rows = _AF.table(params, grads)
+        if call.table is None:
+            params, grads = list(call.params), list(call.grads)
+            _AF.check(self.name, params, grads, master, factors, steps, call.partials, call.inv_scale, call.lr,
+                      call.out_stats, seed)
+            rows, count = _AF.table(params, grads), len(params)
+            pdtype, gdtype = self._step_dtypes(params, grads)
+        else:
+            rows, count = call.table[2].reshape(-1).tolist(), call.table[1]
+            pdtype = gdtype = call.dtype
         device = steps.device
 
         def build():
@@ -311,10 +316,9 @@ class TritonBackend(Backend):
 
         table, _ = self.step_tables.get((device, steps.data_ptr(), call.spec.kernel), rows, build,
                                         _capturing(device), "the parameters and gradients of a factored step")
-        pdtype, gdtype = self._step_dtypes(params, grads)
         fmt = _kernels("_compact").launch_format(pdtype, master, None, seed)
         getattr(_kernels(call.spec.kernel), call.spec.name)(
-            table, len(params), pdtype, gdtype, fmt, master, factors, steps, _A.partials_arg(call.partials),
+            table, count, pdtype, gdtype, fmt, master, factors, steps, _A.partials_arg(call.partials),
             call.inv_scale, call.lr, call.out_stats, *call.hyper_args(), seed)
 
 

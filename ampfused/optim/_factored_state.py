@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from typing import Dict
 
+import numpy
 import torch
 from torch import Tensor
 
+from ..ops import native_factored
 from ..ops.factored import factor_layout, factor_size, factor_views, factored
 from ._segment import Segment, local
 
@@ -29,6 +31,30 @@ class FactoredSegment(Segment):
         super().__init__(group_index, params, use_master, (), precision)
         self.factor_offsets, total = factor_layout([layout[2] for layout in self.layouts])
         self.states = {"factors": torch.zeros(total, dtype=torch.float32, device=self.device)}
+        self._factored_table()
+
+    def _factored_table(self) -> None:
+        """The factored step's table (``ops.native_factored``: ``AF_COLS`` ints a row), its columns after the
+        first three (offsets, sizes, strides) written here from the parameters; the host pass writes the first
+        three (param, grad, numel) into the segment's tensor table, copied into this one each step
+        (:meth:`step_table`). A parameter of more dimensions than the native kernels take keeps the segment on
+        the Python path (``takes_tables``)."""
+        tensors = self.tensors()
+        self.takes_tables = not self.sharded and all(p.dim() <= native_factored.AF_MAX_DIMS for p in tensors)
+        self.factored = None
+        if self.takes_tables:
+            rows = native_factored.table(tensors, [None] * len(tensors))
+            self.factored = numpy.array(rows, dtype=numpy.int64).reshape(len(tensors), native_factored.AF_COLS)
+            self.factored[:, 3] = self.offsets
+
+    def step_table(self) -> tuple:
+        t = self.factored
+        t[:, :3] = self.table[:, :3]
+        return t.ctypes.data, len(self.params), t, self.stamps
+
+    def remember(self) -> None:
+        super().remember()
+        self._factored_table()  # (a parameter written in place may have new strides: t_(), as_strided_())
 
     def factor_slice(self, i: int, flat: Tensor = None) -> Tensor:
         flat = self.states["factors"] if flat is None else flat

@@ -142,6 +142,12 @@ class Segment:
         self.restamp()
         self._addresses()
 
+    takes_tables = True  # its step can run from the host pass's table (step_table)
+
+    def step_table(self) -> tuple:
+        """The step's tensor table as a backend takes it: ``(address, rows, array, stamps)``."""
+        return self.table_address, len(self.params), self.table, self.stamps
+
     def restamp(self, addresses: bool = True, sizes: bool = True) -> None:
         """The table's contents changed: its addresses (the tensors' places), its sizes (the numel column, which
         the work lists are built from), or both. ``stamps`` is ``(table, sizes)``: the table's device copies

@@ -496,7 +496,8 @@ class Segments:
                 return None
             b = ops.registry.get_backend(ops.step_backend(seg.device, seg.step_dtypes, backend, op))
             k1 = ops.registry.get_backend(ops.step_backend(seg.device, (str(seg.dtype),), backend))
-            if seg.sharded or b is None or not b.takes_tables or k1 is not b or found not in (None, b):
+            if seg.sharded or not seg.takes_tables or b is None or not b.takes_tables or k1 is not b \
+                    or found not in (None, b):
                 found = None
                 break
             found = b

@@ -41,6 +41,6 @@ class StepOp:
 
     def _step_op_table(self, seg, backend, group: dict, partials, inv_scale, lr, max_norm: float) -> None:
         """K2 over one segment from its tensor table (the host pass's path) on ``backend`` (a backend object)."""
-        table = (seg.table_address, len(seg), seg.table, seg.stamps)
-        ops.run_step(self._step_call(seg, group, partials, inv_scale, lr, max_norm, table=table, dtype=seg.dtype),
+        ops.run_step(self._step_call(seg, group, partials, inv_scale, lr, max_norm, table=seg.step_table(),
+                                     dtype=seg.dtype),
                      backend.name)

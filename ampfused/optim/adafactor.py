@@ -79,7 +79,6 @@ class AdafactorMath(StepOp):
     step_op = "adafactor_step_"
     state_names = ("row_var", "col_var", "variance")
     segment_class = FactoredSegment
-    takes_host_pass = False  # no backend takes Adafactor's tables yet: the Python path (one op per segment)
     # what torch.optim.Adafactor.__setstate__ gives a group key that a loaded (older) state dict lacks
     torch_load_defaults = dict(foreach=None, maximize=False)
 
@@ -111,7 +110,7 @@ class AdafactorMath(StepOp):
     def _sharded_step(self, seg, params, grads, group, partials, inv_scale, lr, max_norm) -> None:
         """FSDP2: the step over this rank's shards in torch operations (the reference math, summing each whole
         parameter's sums over the ranks of the split on the device: two all-reduces for the segment)."""
-        from ..ops.factored import adafactor_step_sharded_
+        from ..ops.reference_adafactor import adafactor_step_sharded_
         call = self._step_call(seg, group, partials, inv_scale, lr, max_norm, params=params, grads=grads)
         ops.check_step(call)
         h = call.hyper

@@ -281,7 +281,7 @@ namespace {
 
 void adafactor_step(const StepPack& p) {
   const StepArgs& a = p.args;
-  if (p.table_ints != a.count * kAfCols) {
+  if (p.table_ints >= 0 && p.table_ints != a.count * kAfCols) {  // (-1: a fused optimizer's table by address)
     throw std::invalid_argument("the Adafactor table must hold " + std::to_string(kAfCols) + " ints per parameter");
   }
   const double beta2_decay = p.h(0), eps1 = p.h(1), eps2 = p.h(2), d = p.h(3), weight_decay = p.h(4),
