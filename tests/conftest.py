@@ -9,9 +9,57 @@ import torch  # importing torch does not import triton
 if not os.environ.get("AMPFUSED_TEST_NO_INTERPRET") and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import inspect  # noqa: E402
+
 import pytest  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
+
+
+def _interpret_device_calls_without_repatching() -> None:
+    """Triton's interpreter patches ``triton.language`` (every builtin of ``tl``, ``tl.core``, ``tl.math`` and
+    the tensor class, found by ``inspect.getmembers``) when a kernel launch starts, restores it when it ends, and
+    patches it again, identically, at every call of a ``@triton.jit`` helper inside the kernel: half of an
+    interpreted step's time in our kernels, which call small helpers per block. Here a helper's call inside a
+    launch skips the repeat when the launch has patched the modules its globals name already; what runs, and so
+    every result, is unchanged (an interpreter without these names is left as it is)."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_lang, grid = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "GridExecutor", None)
+    if patch_lang is None or grid is None or getattr(patch_lang, "_ampfused_tests", False):
+        return
+    launch = {"depth": 0, "patched": frozenset()}
+    grid_call = grid.__call__
+
+    def _patch_lang(fn):
+        langs = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and (v is tl or v is tl.core))
+        if launch["depth"] and langs <= launch["patched"]:
+            return None  # (a helper's call: the callers ignore what it returns)
+        scope = patch_lang(fn)
+        if launch["depth"]:
+            launch["patched"] |= langs
+        return scope
+
+    def __call__(self, *args, **kwargs):
+        outer = launch["patched"]
+        launch["depth"] += 1
+        launch["patched"] = frozenset()
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            launch["depth"] -= 1
+            launch["patched"] = outer
+
+    _patch_lang._ampfused_tests = True
+    interpreter._patch_lang = _patch_lang
+    grid.__call__ = __call__
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpret_device_calls_without_repatching()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -19,6 +67,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+    # the longest tests (marked slow: a native build, a 500 MB listing) first, so that with pytest -n the other
+    # workers take the rest meanwhile instead of one finishing them alone; otherwise the order is the files'
+    items.sort(key=lambda item: "slow" not in item.keywords)
 
 
 @pytest.fixture(autouse=True)

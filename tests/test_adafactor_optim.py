@@ -36,9 +36,13 @@ def _set(params, grads):
         p.grad = torch.empty_like(p).copy_(g)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("hyper", [dict(lr=1e-2, weight_decay=0.1), dict(lr=0.3, maximize=True, d=1.5),
-                                   dict(lr=1e-2, beta2_decay=-1.0)])
+HYPERS = [dict(lr=1e-2, weight_decay=0.1), dict(lr=0.3, maximize=True, d=1.5), dict(lr=1e-2, beta2_decay=-1.0)]
+# Triton runs here under its interpreter, a hundred times slower than the native kernels: one set of hyperparameters
+# (its kernels are held to the reference under every one in tests/test_adafactor_ops.py)
+CELLS = [(b, h) for b in BACKENDS for h in HYPERS if b != "triton" or h is HYPERS[1]]
+
+
+@pytest.mark.parametrize("backend,hyper", CELLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_torch_adafactor(backend, hyper, dtype):
     base = _params(dtype)
@@ -99,7 +103,7 @@ def test_scaler_clip_skip_and_divisor():
     assert fopt.state[ps[0]]["step"].item() == 4
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "triton"])  # (Triton's: test_adafactor_ops.py)
 def test_remainders_are_the_fp32_master_run_and_sr_stays_close(backend):
     base = _params(torch.bfloat16)
     runs = {}

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # bench/ is a directory of the repository, not part of the installed package
     sys.path.insert(0, REPO)
@@ -322,16 +324,23 @@ def test_the_doc_lists_every_stage_with_its_limit():
     assert listed == {s.name: s.limit for s in gpu_check.STAGES}
 
 
-def test_parts_merge_into_one_summary(tmp_path):
-    """Two parts run without a GPU (build and the suite skipped): the merged summary takes each stage from the part
-    that ran it, and a stage no part selected says so."""
-    dirs = []
-    for part in ("kernels", "suite", "sanitize"):
-        d = tmp_path / part
-        r = subprocess.run([sys.executable, "-m", "bench.gpu", str(d), "--part", part, "--skip", "build,suite"],
-                           cwd=REPO, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stdout + r.stderr
-        dirs.append(str(d))
+def _run_part(d, part: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "bench.gpu", str(d), "--part", part, "--skip", "build,suite"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def kernels_part(tmp_path_factory):
+    """The "kernels" part run once without a GPU (build and the suite skipped): its output folder."""
+    return _run_part(tmp_path_factory.mktemp("parts") / "kernels", "kernels")
+
+
+def test_parts_merge_into_one_summary(tmp_path, kernels_part):
+    """Three parts run without a GPU (build and the suite skipped): the merged summary takes each stage from the
+    part that ran it, and a stage no part selected says so."""
+    dirs = [kernels_part] + [_run_part(tmp_path / part, part) for part in ("suite", "sanitize")]
     out = tmp_path / "merged"
     r = subprocess.run([sys.executable, "-m", "bench.gpu.merge", str(out)] + dirs, cwd=REPO, capture_output=True,
                        text=True, timeout=600)
@@ -406,9 +415,6 @@ def test_build_is_incremental_in_place_then_an_editable_install(tmp_path, monkey
                                                                        "--no-deps --no-index -e .")
 
 
-def test_a_part_runs_within_its_budget(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "bench.gpu", str(tmp_path / "k"), "--part", "kernels", "--skip",
-                        "build,suite"], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    data = json.loads((tmp_path / "k" / "summary.json").read_text())
+def test_a_part_runs_within_its_budget(kernels_part):
+    data = json.loads(open(os.path.join(kernels_part, "summary.json")).read())
     assert data["budget_s"] == PARTS["kernels"].budget

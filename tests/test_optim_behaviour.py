@@ -95,7 +95,7 @@ def test_parameter_without_gradient_is_skipped_like_torch():
 
 
 @pytest.mark.parametrize("backend", cpu_backends())
-@pytest.mark.parametrize("sizes", [[1], [127], [65537], [1] * 300, [3, 70001, 5]], ids=["1", "127", "65537", "300x1", "mixed"])
+@pytest.mark.parametrize("sizes", [[1], [127], [65537], [1] * 64, [3, 70001, 5]], ids=["1", "127", "65537", "64x1", "mixed"])
 def test_awkward_sizes_match_reference(sizes, backend):
     torch.manual_seed(3)
     p_ref = [torch.randn(n, dtype=torch.bfloat16, requires_grad=True) for n in sizes]
