@@ -368,7 +368,7 @@ setup(
     # torch >= 2.4 (torch 2.13 included), so installing them never makes pip replace the installed torch
     extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib", "tqdm", "safetensors",
                              # the suite in any order and in parallel: pytest -p random_order --random-order,
-                             # pytest -n 4 (neither changes a plain run)
+                             # pytest -n 2 (CI's: the README's test command)
                              "pytest-random-order", "pytest-xdist",
                              # the source-archive test builds the native modules without build isolation
                              "pybind11>=2.10",

@@ -128,8 +128,12 @@ def _built_cuda_module():
 @pytest.mark.skipif(C.tool("cuobjdump") is None or C.tool("nvdisasm") is None,
                     reason="needs cuobjdump and nvdisasm (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
 @pytest.mark.skipif(_built_cuda_module() is None, reason="needs the CUDA backend built (nvcc)")
+@pytest.mark.slow
 def test_built_module_every_compact_mode_moves_8_elements_a_trip_in_wide_accesses():
-    text = C.disassemble(_built_cuda_module())
+    try:
+        text = C.disassemble(_built_cuda_module(), arch="sm_90")
+    except RuntimeError:  # (cuobjdump refuses an architecture the module lacks)
+        text = ""
     if "sm_90" not in text:
         pytest.skip("needs the CUDA backend built for sm_90 (AMPFUSED_CUDA_ARCHS)")
     rows = {(r.op, r.mode.label): r for r in C.rows_from_sass(text)}

@@ -58,15 +58,17 @@ def tool(name: str) -> Optional[str]:
     return None
 
 
-def disassemble(binary: str) -> str:
-    """``cuobjdump -sass`` of a cubin or a shared library (its nvdisasm found the same way)."""
+def disassemble(binary: str, arch: Optional[str] = None) -> str:
+    """``cuobjdump -sass`` of a cubin or a shared library (its nvdisasm found the same way); ``arch`` (as
+    ``"sm_90"``): that architecture's code only (half a two-architecture module's listing, which is 500 MB)."""
     cuobjdump = tool("cuobjdump")
     nvdisasm = tool("nvdisasm")
     if cuobjdump is None or nvdisasm is None:
         raise RuntimeError("cuobjdump -sass needs cuobjdump and nvdisasm: pip install nvidia-cuda-cuobjdump "
                            "nvidia-cuda-nvdisasm")
     env = dict(os.environ, PATH=os.path.dirname(nvdisasm) + os.pathsep + os.environ.get("PATH", ""))
-    out = subprocess.run([cuobjdump, "-sass", binary], capture_output=True, text=True, env=env)
+    out = subprocess.run([cuobjdump, "-sass", *(("-arch", arch) if arch else ()), binary], capture_output=True,
+                         text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"cuobjdump -sass {binary} failed: {out.stderr.strip()}")
     return out.stdout
