@@ -295,7 +295,7 @@ class TritonBackend(Backend):
     def _factored_step(self, call: StepCall) -> None:
         """A factored step: one launch, one program per parameter (``triton_kernels/<kernel>.py``), its table
         (``native_factored.table``, or a fused optimizer's) uploaded once per call site and reused while it holds
-        the same ints."""
+        the same ints (a fused optimizer's: while its stamp is the same)."""
         master, steps, seed = call.master, call.steps, call.seed
         factors = call.states[call.spec.states[0].name]
         if call.table is None:
@@ -305,17 +305,23 @@ class TritonBackend(Backend):
             rows, count = _AF.table(params, grads), len(params)
             pdtype, gdtype = self._step_dtypes(params, grads)
         else:
-            rows, count = call.table[2].reshape(-1).tolist(), call.table[1]
+            rows, count = None, call.table[1]
             pdtype = gdtype = call.dtype
         device = steps.device
 
         def build():
-            host, view = _work.staging(len(rows), device)
-            view[:len(rows)] = rows
+            ints = rows if rows is not None else call.table[2].reshape(-1).tolist()
+            host, view = _work.staging(len(ints), device)
+            view[:len(ints)] = ints
             return _work.upload(host, device), host
 
-        table, _ = self.step_tables.get((device, steps.data_ptr(), call.spec.kernel), rows, build,
-                                        _capturing(device), "the parameters and gradients of a factored step")
+        site, what = (device, steps.data_ptr(), call.spec.kernel), "the parameters and gradients of a factored step"
+        if rows is not None:
+            table, _ = self.step_tables.get(site, rows, build, _capturing(device), what)
+        else:  # a fused optimizer's table: uploaded again only when its stamp moved (the host pass says so)
+            stamp = call.table[3][0]
+            table, _ = self.step_tables.get_tables(site, (call.table[2],), build, _capturing(device), what,
+                                                   stamps=(stamp, stamp))
         fmt = _kernels("_compact").launch_format(pdtype, master, None, seed)
         getattr(_kernels(call.spec.kernel), call.spec.name)(
             table, count, pdtype, gdtype, fmt, master, factors, steps, _A.partials_arg(call.partials),
