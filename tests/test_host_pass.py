@@ -562,3 +562,23 @@ def test_a_factored_steps_host_table_reaches_the_cuda_backend_as_its_tensors_wou
     step()
     assert C.stats["uploads"] == uploads + 1
     C._factored_tables.clear()
+
+
+@needs_host
+@pytest.mark.skipif("triton" not in cpu_backends(), reason="Triton does not run here")
+def test_a_factored_steps_warm_host_table_is_not_uploaded_again_on_triton(counting):
+    """FusedAdafactor on Triton with gradients written in place: the host pass's table is uploaded once, then
+    reused while the host pass finds nothing changed (its stamps)."""
+    backend = ampfused.ops.get_backend("triton")
+    params = [torch.nn.Parameter(torch.randn(6, 5)), torch.nn.Parameter(torch.randn(4))]
+    opt = ampfused.FusedAdafactor(params, lr=0.1, backend="triton")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    builds = []
+    for _ in range(4):
+        opt.step()
+        builds.append(backend.step_tables.builds)
+        for p in params:
+            p.grad.normal_()  # in place: the same tensors
+    assert builds[1] == builds[0] + 1 and builds[3] == builds[1], builds  # the Python path's, the host pass's, none
+    assert counting.statuses.count(0) >= 3

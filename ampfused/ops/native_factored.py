@@ -27,8 +27,8 @@ def table(params: List[Tensor], grads: List[Optional[Tensor]]) -> List[int]:
     rows: List[int] = []
     for i, (p, g) in enumerate(zip(params, grads)):
         if p.dim() > AF_MAX_DIMS:
-            raise ValueError(f"params[{i}] has {p.dim()} dimensions: a factored step on a native or Triton backend takes at most "
-                             f"{AF_MAX_DIMS} (the reference backend takes any)")
+            raise ValueError(f"params[{i}] has {p.dim()} dimensions: a factored step on a native or Triton backend "
+                             f"takes at most {AF_MAX_DIMS} (the reference backend takes any)")
         pad = [0] * (AF_MAX_DIMS - p.dim())
         rows += [p.data_ptr(), 0 if g is None else g.data_ptr(), _N.NO_GRAD if g is None else p.numel(),
                  offsets[i], foffsets[i], p.dim()] + list(p.shape) + pad + list(p.stride()) + pad

@@ -318,10 +318,9 @@ class TritonBackend(Backend):
         site, what = (device, steps.data_ptr(), call.spec.kernel), "the parameters and gradients of a factored step"
         if rows is not None:
             table, _ = self.step_tables.get(site, rows, build, _capturing(device), what)
-        else:  # a fused optimizer's table: uploaded again only when its stamp moved (the host pass says so)
-            stamp = call.table[3][0]
+        else:  # a fused optimizer's table: uploaded again only when its stamps moved (the host pass says so)
             table, _ = self.step_tables.get_tables(site, (call.table[2],), build, _capturing(device), what,
-                                                   stamps=(stamp, stamp))
+                                                   stamps=call.table[3], retable=lambda _: build())
         fmt = _kernels("_compact").launch_format(pdtype, master, None, seed)
         getattr(_kernels(call.spec.kernel), call.spec.name)(
             table, count, pdtype, gdtype, fmt, master, factors, steps, _A.partials_arg(call.partials),

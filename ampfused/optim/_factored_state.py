@@ -159,8 +159,8 @@ def _load_master(seg, i: int, e: dict, p: Tensor, master: Tensor) -> None:
 
 
 def import_state_dict(opt, state_dict: dict) -> None:
-    """``opt.load_state_dict(sd)`` for an optimizer whose state is factored, from ours or from torch.optim's: everything checked,
-    the new buffers built aside, then swapped in."""
+    """``opt.load_state_dict(sd)`` for an optimizer whose state is factored, from ours or from torch.optim's:
+    everything checked, the new buffers built aside, then swapped in."""
     from ._state import _saved_step, checked_groups, finish_load, swap_loaded
     saved_state, sid_of, new_groups = checked_groups(opt, state_dict)
     plans = []
