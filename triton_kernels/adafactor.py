@@ -17,6 +17,11 @@ program (docs/adafactor.md gives the split across programs that a GPU wants for 
 
 Table (``ops/native_factored.py``): one row of ``AF_COLS`` int64 per parameter: param and grad
 addresses, numel (-1 without a gradient), offset in ``master``, offset in ``factors``, ndim, 8 sizes, 8 strides.
+
+Parameters split over ranks (FSDP2) take the three passes as three launches (``PHASE`` 1 to 3; 0 is the whole
+step), each whole parameter's sums in ``sums`` summed over the ranks between them (``ops/factored.py``,
+``ShardSums``; after the table's rows, ``SH_COLS`` ints per parameter say how it is split and where its sums
+are). One rank's phases are the whole step's bits.
 """
 import math
 import struct
@@ -31,6 +36,8 @@ from ._compact import (MASTER_NONE, MASTER_REMAINDER, _join_master, _random_bits
 
 AF_COLS = tl.constexpr(22)
 MAX_DIMS = tl.constexpr(8)
+SH_COLS = tl.constexpr(9)  # a phase over shards: the shard table's ints per parameter (ops/factored.py, ShardSums)
+SPLIT_ROWS = tl.constexpr(1)
 BR = 16
 BC = 64
 BLOCK = 1024
@@ -98,13 +105,30 @@ def _base(entry, b, nlead):
 
 
 @triton.jit
-def _rmean(rows_ptr, R, eps1, BR: tl.constexpr):
-    """``max(sum(rows) / R, eps1)`` of one matrix's (new) row factors, summed in a fixed order."""
+def _rows_sum(rows_ptr, R, BR: tl.constexpr):
+    """The sum of one matrix's (new) row factors, in a fixed order (fp64 over fp32 tile sums)."""
     acc = tl.zeros((), tl.float64)
     for r0 in range(0, R, BR):
         rr = r0 + tl.arange(0, BR)
         acc += tl.sum(tl.load(rows_ptr + rr, mask=rr < R, other=0.0), axis=0).to(tl.float64)
-    return _clamp_min(tl.div_rn(acc.to(tl.float32), R.to(tl.float32)), eps1)
+    return acc
+
+
+@triton.jit
+def _rmean(rows_ptr, R, r_full, eps1, sums_ptr, o_rsum, split, PHASE: tl.constexpr, BR: tl.constexpr):
+    """``max(sum(rows) / R, eps1)`` of one matrix's new row factors: summed here (the whole step), or from the
+    sums over the ranks (phase 3; phase 2 where the rows are split), phase 2 keeping its own sum for phase 3."""
+    if PHASE == 0:
+        acc = _rows_sum(rows_ptr, R, BR)
+    elif PHASE == 3:
+        acc = tl.load(sums_ptr + o_rsum)
+    else:
+        if split == SPLIT_ROWS:
+            acc = tl.load(sums_ptr + o_rsum)
+        else:
+            acc = _rows_sum(rows_ptr, R, BR)
+            tl.store(sums_ptr + o_rsum, acc)
+    return _clamp_min(tl.div_rn(acc.to(tl.float32), r_full.to(tl.float32)), eps1)
 
 
 @triton.jit
@@ -132,13 +156,14 @@ def _step_size(w_sumsq, u_sumsq, n, eps2, rho, d):
     return (alpha / _max64(tl.sqrt_rn(u_sumsq.to(tl.float32)).to(tl.float64) / (root_n * _f64(d)), 1.0)).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["P", "beta2_decay", "eps2", "d", "weight_decay"])
+@triton.jit(do_not_specialize=["P", "count", "beta2_decay", "eps2", "d", "weight_decay"])
 def _adafactor_kernel(table_ptr, master_ptr, factors_ptr, steps_ptr, partials_ptr, inv_scale_ptr, lr_ptr,
-                      out_stats_ptr, seed_ptr, P, p_stride_row, p_stride_col, beta2_decay, eps1, eps1_sq, eps2, d,
-                      weight_decay, max_norm, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-                      HAS_MASTER: tl.constexpr, MAXIMIZE: tl.constexpr, CLIP: tl.constexpr,
-                      MASTER_FORMAT: tl.constexpr, USE_SEED: tl.constexpr, DECAY: tl.constexpr, BR: tl.constexpr,
-                      BC: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr):
+                      out_stats_ptr, seed_ptr, sums_ptr, count, P, p_stride_row, p_stride_col, beta2_decay, eps1,
+                      eps1_sq, eps2, d, weight_decay, max_norm, PARAM_DTYPE: tl.constexpr,
+                      GRAD_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, MAXIMIZE: tl.constexpr,
+                      CLIP: tl.constexpr, MASTER_FORMAT: tl.constexpr, USE_SEED: tl.constexpr,
+                      DECAY: tl.constexpr, PHASE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                      BLOCK: tl.constexpr, PBLOCK: tl.constexpr):
     norm, found_inf, coef = _prologue(partials_ptr, p_stride_row, p_stride_col, P, inv_scale_ptr, max_norm,
                                       out_stats_ptr, CLIP, PBLOCK)
     entry = table_ptr + tl.program_id(0).to(tl.int64) * AF_COLS
@@ -164,11 +189,36 @@ def _adafactor_kernel(table_ptr, master_ptr, factors_ptr, steps_ptr, partials_pt
             key = _step_key(tl.load(seed_ptr), t)
         w_sumsq = tl.zeros((), tl.float64)
         u_sumsq = tl.zeros((), tl.float64)
+        # a phase over shards: the whole parameter's size and where its sums are (its row of the shard table)
+        sh = table_ptr + count.to(tl.int64) * AF_COLS + tl.program_id(0).to(tl.int64) * SH_COLS
+        split = tl.full((), 0, tl.int64)
+        n_full = n
+        o_w = tl.full((), 0, tl.int64)
+        o_u = o_w
+        o_rsum = o_w
+        o_rowg = o_w
+        o_colg = o_w
+        if PHASE > 0:
+            split = tl.load(sh)
+            n_full = tl.load(sh + 1)
+            o_w = tl.load(sh + 4)
+            o_u = tl.load(sh + 5)
+            o_rsum = tl.load(sh + 6)
+            o_rowg = tl.load(sh + 7)
+            o_colg = tl.load(sh + 8)
+        if PHASE == 3:
+            w_sumsq = tl.load(sums_ptr + o_w)
+            u_sumsq = tl.load(sums_ptr + o_u)
         if nd > 1:
             R = tl.load(entry + 6 + nd - 2)
             C = tl.load(entry + 6 + nd - 1)
             sr = tl.load(entry + 6 + MAX_DIMS + nd - 2)
             sc = tl.load(entry + 6 + MAX_DIMS + nd - 1)
+            r_full = R
+            c_full = C
+            if PHASE > 0:
+                r_full = tl.load(sh + 2)
+                c_full = tl.load(sh + 3)
             nlead = nd - 2
             B = tl.full((), 1, tl.int64)
             for kk in range(0, nlead):
@@ -177,89 +227,134 @@ def _adafactor_kernel(table_ptr, master_ptr, factors_ptr, steps_ptr, partials_pt
             cols_ptr = f_ptr + B * R
             lr_ = tl.arange(0, BR)
             lc_ = tl.arange(0, BC)
-            # 1. rows (rows outer): row factors and the weight's sum; columns (columns outer): column factors
-            for b in range(0, B):
-                base = _base(entry, b, nlead)
-                for r0 in range(0, R, BR):
-                    rr = r0 + lr_
-                    gs = tl.zeros([BR], tl.float64)
-                    for c0 in range(0, C, BC):
-                        cc = c0 + lc_
-                        mask = (rr < R)[:, None] & (cc < C)[None, :]
-                        off = base + rr.to(tl.int64)[:, None] * sr + cc.to(tl.int64)[None, :] * sc
-                        g = _grad(grad_ptr, off, mask, coef, MAXIMIZE)
-                        w = _weight(param_ptr, w_ptr, off, mask, MASTER_FORMAT, HAS_MASTER)
-                        gs += tl.sum(g * g, axis=1).to(tl.float64)
-                        w_sumsq += tl.sum(tl.sum(w * w, axis=1), axis=0).to(tl.float64)
-                    rmask = rr < R
-                    old = tl.load(rows_ptr + b * R + rr, mask=rmask, other=0.0)
-                    tl.store(rows_ptr + b * R + rr, _lerp(old, tl.div_rn(gs.to(tl.float32), C.to(tl.float32)), w2),
-                             mask=rmask)
-                for c0 in range(0, C, BC):
-                    cc = c0 + lc_
-                    cs = tl.zeros([BC], tl.float64)
+            if PHASE <= 1:
+                # 1. rows (rows outer): row factors and the weight's sum; columns (columns outer): column factors
+                # (phase 1: their sums, and the sum of the new row factors)
+                for b in range(0, B):
+                    base = _base(entry, b, nlead)
+                    new_rows = tl.zeros((), tl.float64)
                     for r0 in range(0, R, BR):
                         rr = r0 + lr_
-                        mask = (rr < R)[:, None] & (cc < C)[None, :]
-                        off = base + rr.to(tl.int64)[:, None] * sr + cc.to(tl.int64)[None, :] * sc
-                        g = _grad(grad_ptr, off, mask, coef, MAXIMIZE)
-                        cs += tl.sum(g * g, axis=0).to(tl.float64)
-                    cmask = cc < C
-                    old = tl.load(cols_ptr + b * C + cc, mask=cmask, other=0.0)
-                    tl.store(cols_ptr + b * C + cc, _lerp(old, tl.div_rn(cs.to(tl.float32), R.to(tl.float32)), w2),
-                             mask=cmask)
-            # 2. the update's sum of squares
-            for b in range(0, B):
-                base = _base(entry, b, nlead)
-                rm = _rmean(rows_ptr + b * R, R, eps1, BR)
-                for r0 in range(0, R, BR):
-                    rr = r0 + lr_
-                    row = tl.load(rows_ptr + b * R + rr, mask=rr < R, other=1.0)
+                        gs = tl.zeros([BR], tl.float64)
+                        for c0 in range(0, C, BC):
+                            cc = c0 + lc_
+                            mask = (rr < R)[:, None] & (cc < C)[None, :]
+                            off = base + rr.to(tl.int64)[:, None] * sr + cc.to(tl.int64)[None, :] * sc
+                            g = _grad(grad_ptr, off, mask, coef, MAXIMIZE)
+                            w = _weight(param_ptr, w_ptr, off, mask, MASTER_FORMAT, HAS_MASTER)
+                            gs += tl.sum(g * g, axis=1).to(tl.float64)
+                            w_sumsq += tl.sum(tl.sum(w * w, axis=1), axis=0).to(tl.float64)
+                        rmask = rr < R
+                        old = tl.load(rows_ptr + b * R + rr, mask=rmask, other=0.0)
+                        new = _lerp(old, tl.div_rn(gs.to(tl.float32), c_full.to(tl.float32)), w2)
+                        if PHASE == 0:
+                            tl.store(rows_ptr + b * R + rr, new, mask=rmask)
+                        else:
+                            tl.store(sums_ptr + o_rowg + b * R + rr, gs, mask=rmask)
+                            new_rows += tl.sum(tl.where(rmask, new, 0.0), axis=0).to(tl.float64)
+                    if PHASE == 1:
+                        if split == SPLIT_ROWS:
+                            tl.store(sums_ptr + o_rsum + b, new_rows)
                     for c0 in range(0, C, BC):
-                        mask, off, u = _update_tile(grad_ptr, cols_ptr + b * C, base, row, rr, R, rm, c0 + lc_, C, sr,
-                                                    sc, coef, eps1_sq, MAXIMIZE)
-                        u = tl.where(mask, u, 0.0)
-                        u_sumsq += tl.sum(tl.sum(u * u, axis=1), axis=0).to(tl.float64)
-            stepsize = _step_size(w_sumsq, u_sumsq, n, eps2, rho, d)
-            # 3. the weights
-            for b in range(0, B):
-                base = _base(entry, b, nlead)
-                rm = _rmean(rows_ptr + b * R, R, eps1, BR)
-                for r0 in range(0, R, BR):
-                    rr = r0 + lr_
-                    row = tl.load(rows_ptr + b * R + rr, mask=rr < R, other=1.0)
+                        cc = c0 + lc_
+                        cs = tl.zeros([BC], tl.float64)
+                        for r0 in range(0, R, BR):
+                            rr = r0 + lr_
+                            mask = (rr < R)[:, None] & (cc < C)[None, :]
+                            off = base + rr.to(tl.int64)[:, None] * sr + cc.to(tl.int64)[None, :] * sc
+                            g = _grad(grad_ptr, off, mask, coef, MAXIMIZE)
+                            cs += tl.sum(g * g, axis=0).to(tl.float64)
+                        cmask = cc < C
+                        if PHASE == 0:
+                            old = tl.load(cols_ptr + b * C + cc, mask=cmask, other=0.0)
+                            tl.store(cols_ptr + b * C + cc,
+                                     _lerp(old, tl.div_rn(cs.to(tl.float32), R.to(tl.float32)), w2), mask=cmask)
+                        else:
+                            tl.store(sums_ptr + o_colg + b * C + cc, cs, mask=cmask)
+                if PHASE == 1:
+                    tl.store(sums_ptr + o_w, w_sumsq)
+            if PHASE == 2:  # the new factors from the sums over the ranks
+                for b in range(0, B):
+                    for r0 in range(0, R, BR):
+                        rr = r0 + lr_
+                        rmask = rr < R
+                        gs = tl.load(sums_ptr + o_rowg + b * R + rr, mask=rmask, other=0.0)
+                        old = tl.load(rows_ptr + b * R + rr, mask=rmask, other=0.0)
+                        tl.store(rows_ptr + b * R + rr,
+                                 _lerp(old, tl.div_rn(gs.to(tl.float32), c_full.to(tl.float32)), w2), mask=rmask)
                     for c0 in range(0, C, BC):
-                        mask, off, u = _update_tile(grad_ptr, cols_ptr + b * C, base, row, rr, R, rm, c0 + lc_, C, sr,
-                                                    sc, coef, eps1_sq, MAXIMIZE)
-                        w = _weight(param_ptr, w_ptr, off, mask, MASTER_FORMAT, HAS_MASTER)
-                        if DECAY:
-                            w = w * decay
-                        _store_w(param_ptr, w_ptr, off, mask, w - stepsize * u, key, w_off + off, PARAM_DTYPE,
-                                 MASTER_FORMAT, HAS_MASTER)
+                        cc = c0 + lc_
+                        cmask = cc < C
+                        cs = tl.load(sums_ptr + o_colg + b * C + cc, mask=cmask, other=0.0)
+                        old = tl.load(cols_ptr + b * C + cc, mask=cmask, other=0.0)
+                        tl.store(cols_ptr + b * C + cc,
+                                 _lerp(old, tl.div_rn(cs.to(tl.float32), r_full.to(tl.float32)), w2), mask=cmask)
+            if (PHASE == 0) | (PHASE == 2):
+                # 2. the update's sum of squares
+                for b in range(0, B):
+                    base = _base(entry, b, nlead)
+                    rm = _rmean(rows_ptr + b * R, R, r_full, eps1, sums_ptr, o_rsum + b, split, PHASE, BR)
+                    for r0 in range(0, R, BR):
+                        rr = r0 + lr_
+                        row = tl.load(rows_ptr + b * R + rr, mask=rr < R, other=1.0)
+                        for c0 in range(0, C, BC):
+                            mask, off, u = _update_tile(grad_ptr, cols_ptr + b * C, base, row, rr, R, rm, c0 + lc_,
+                                                        C, sr, sc, coef, eps1_sq, MAXIMIZE)
+                            u = tl.where(mask, u, 0.0)
+                            u_sumsq += tl.sum(tl.sum(u * u, axis=1), axis=0).to(tl.float64)
+                if PHASE == 2:
+                    tl.store(sums_ptr + o_u, u_sumsq)
+            if (PHASE == 0) | (PHASE == 3):
+                stepsize = _step_size(w_sumsq, u_sumsq, n_full, eps2, rho, d)
+                # 3. the weights
+                for b in range(0, B):
+                    base = _base(entry, b, nlead)
+                    rm = _rmean(rows_ptr + b * R, R, r_full, eps1, sums_ptr, o_rsum + b, split, PHASE, BR)
+                    for r0 in range(0, R, BR):
+                        rr = r0 + lr_
+                        row = tl.load(rows_ptr + b * R + rr, mask=rr < R, other=1.0)
+                        for c0 in range(0, C, BC):
+                            mask, off, u = _update_tile(grad_ptr, cols_ptr + b * C, base, row, rr, R, rm, c0 + lc_,
+                                                        C, sr, sc, coef, eps1_sq, MAXIMIZE)
+                            w = _weight(param_ptr, w_ptr, off, mask, MASTER_FORMAT, HAS_MASTER)
+                            if DECAY:
+                                w = w * decay
+                            _store_w(param_ptr, w_ptr, off, mask, w - stepsize * u, key, w_off + off, PARAM_DTYPE,
+                                     MASTER_FORMAT, HAS_MASTER)
         else:
             lanes = tl.arange(0, BLOCK)
-            for j0 in range(0, n, BLOCK):
-                off = (j0 + lanes).to(tl.int64)
-                mask = off < n
-                g = _grad(grad_ptr, off, mask, coef, MAXIMIZE)
-                w = _weight(param_ptr, w_ptr, off, mask, MASTER_FORMAT, HAS_MASTER)
-                var = _lerp(tl.load(f_ptr + off, mask=mask, other=0.0), g * g, w2)
-                tl.store(f_ptr + off, var, mask=mask)
-                u = tl.where(mask, tl.div_rn(g, tl.sqrt_rn(_clamp_min(var, eps1_sq))), 0.0)
-                w_sumsq += tl.sum(w * w, axis=0).to(tl.float64)
-                u_sumsq += tl.sum(u * u, axis=0).to(tl.float64)
-            stepsize = _step_size(w_sumsq, u_sumsq, n, eps2, rho, d)
-            for j0 in range(0, n, BLOCK):
-                off = (j0 + lanes).to(tl.int64)
-                mask = off < n
-                u = tl.div_rn(_grad(grad_ptr, off, mask, coef, MAXIMIZE),
-                              tl.sqrt_rn(_clamp_min(tl.load(f_ptr + off, mask=mask, other=1.0), eps1_sq)))
-                w = _weight(param_ptr, w_ptr, off, mask, MASTER_FORMAT, HAS_MASTER)
-                if DECAY:
-                    w = w * decay
-                _store_w(param_ptr, w_ptr, off, mask, w - stepsize * u, key, w_off + off, PARAM_DTYPE, MASTER_FORMAT,
-                         HAS_MASTER)
-        tl.store(steps_ptr + tl.program_id(0), step + 1.0)
+            if PHASE <= 2:
+                for j0 in range(0, n, BLOCK):
+                    off = (j0 + lanes).to(tl.int64)
+                    mask = off < n
+                    if PHASE != 1:
+                        g = _grad(grad_ptr, off, mask, coef, MAXIMIZE)
+                        var = _lerp(tl.load(f_ptr + off, mask=mask, other=0.0), g * g, w2)
+                        tl.store(f_ptr + off, var, mask=mask)
+                        u = tl.where(mask, tl.div_rn(g, tl.sqrt_rn(_clamp_min(var, eps1_sq))), 0.0)
+                    if PHASE != 2:
+                        w = _weight(param_ptr, w_ptr, off, mask, MASTER_FORMAT, HAS_MASTER)
+                        w_sumsq += tl.sum(w * w, axis=0).to(tl.float64)
+                    if PHASE != 1:
+                        u_sumsq += tl.sum(u * u, axis=0).to(tl.float64)
+                if PHASE == 1:
+                    tl.store(sums_ptr + o_w, w_sumsq)
+                if PHASE == 2:
+                    tl.store(sums_ptr + o_u, u_sumsq)
+            if (PHASE == 0) | (PHASE == 3):
+                stepsize = _step_size(w_sumsq, u_sumsq, n_full, eps2, rho, d)
+                for j0 in range(0, n, BLOCK):
+                    off = (j0 + lanes).to(tl.int64)
+                    mask = off < n
+                    u = tl.div_rn(_grad(grad_ptr, off, mask, coef, MAXIMIZE),
+                                  tl.sqrt_rn(_clamp_min(tl.load(f_ptr + off, mask=mask, other=1.0), eps1_sq)))
+                    w = _weight(param_ptr, w_ptr, off, mask, MASTER_FORMAT, HAS_MASTER)
+                    if DECAY:
+                        w = w * decay
+                    _store_w(param_ptr, w_ptr, off, mask, w - stepsize * u, key, w_off + off, PARAM_DTYPE,
+                             MASTER_FORMAT, HAS_MASTER)
+        if (PHASE == 0) | (PHASE == 3):
+            tl.store(steps_ptr + tl.program_id(0), step + 1.0)
 
 
 def _bits(x: float) -> int:
@@ -267,17 +362,20 @@ def _bits(x: float) -> int:
 
 
 def adafactor_step_(table, count, param_dtype, grad_dtype, fmt, master, factors, steps, partials, inv_scale, lr,
-                    out_stats, beta2_decay, eps1, eps2, d, weight_decay, max_norm, maximize, seed) -> None:
+                    out_stats, beta2_decay, eps1, eps2, d, weight_decay, max_norm, maximize, seed, phase=0,
+                    sums=None) -> None:
     """One launch over ``count`` parameters (``table``: their rows, int64 in the kernel's memory); tensors and math
-    as ``ops.reference_adafactor.adafactor_step_``; ``fmt`` the step's ``_compact.LaunchFormat``."""
+    as ``ops.reference_adafactor.adafactor_step_``; ``fmt`` the step's ``_compact.LaunchFormat``. ``phase`` 1 to 3
+    with ``sums`` (fp64): that phase over shards (``ops.reference_adafactor.adafactor_step_shard_``), the table's
+    rows followed by the shard table (``SH_COLS`` ints per parameter)."""
     if count == 0:
         return
     with device_guard(out_stats):
         _adafactor_kernel[(count,)](
             table, nonempty(master, factors), factors, steps, partials, inv_scale, lr, out_stats,
-            nonempty(seed, table), partials.shape[1], partials.stride(0), partials.stride(1),
-            _bits(beta2_decay), f32(eps1), f32(eps1 * eps1), _bits(eps2), _bits(d), _bits(weight_decay), f32(max_norm),
-            PARAM_DTYPE=TL_DTYPES[param_dtype], GRAD_DTYPE=TL_DTYPES[grad_dtype], HAS_MASTER=fmt.has_fp32_master,
-            MAXIMIZE=bool(maximize), CLIP=not math.isinf(max_norm), MASTER_FORMAT=fmt.master,
-            USE_SEED=seed is not None, DECAY=weight_decay != 0, BR=BR, BC=BC, BLOCK=BLOCK, PBLOCK=PBLOCK,
-            num_warps=NUM_WARPS, **LAUNCH_OPTIONS)
+            nonempty(seed, table), nonempty(sums, factors), count, partials.shape[1], partials.stride(0),
+            partials.stride(1), _bits(beta2_decay), f32(eps1), f32(eps1 * eps1), _bits(eps2), _bits(d),
+            _bits(weight_decay), f32(max_norm), PARAM_DTYPE=TL_DTYPES[param_dtype], GRAD_DTYPE=TL_DTYPES[grad_dtype],
+            HAS_MASTER=fmt.has_fp32_master, MAXIMIZE=bool(maximize), CLIP=not math.isinf(max_norm),
+            MASTER_FORMAT=fmt.master, USE_SEED=seed is not None, DECAY=weight_decay != 0, PHASE=int(phase), BR=BR,
+            BC=BC, BLOCK=BLOCK, PBLOCK=PBLOCK, num_warps=NUM_WARPS, **LAUNCH_OPTIONS)

@@ -77,7 +77,7 @@ class ShardedFusedAdafactor(torch.optim.Optimizer):
     (``"mean"``: gradients averaged over ranks as DDP does, ``"sum"``: summed, ``None``: already reduced, e.g.
     by DDP). ``max_grad_norm`` and ``spike_guard`` act on the global norm; every rank must call :meth:`step`,
     :meth:`state_dict` and :meth:`ampfused.GradScaler.unscale_` (they communicate). The steps run
-    :class:`ampfused.FusedAdafactor`'s sharded step (torch operations; docs/adafactor.md, "FSDP2")."""
+    :class:`ampfused.FusedAdafactor`'s sharded step (its kernels in three phases; docs/adafactor.md, "FSDP2")."""
 
     _step_supports_amp_scaling = True
     _ampfused_fused = True

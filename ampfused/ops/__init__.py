@@ -103,9 +103,12 @@ def run_step(call: StepCall, backend: str) -> None:
     optimizer's checked table) on backend ``backend`` (a name). Eager calls on plain tensors go straight to the
     backend's :meth:`~ampfused.ops.registry.Backend.step` and bump the version counters of what it wrote, as the
     custom op would; traced code, tensor subclasses and dispatch modes go through ``torch.ops.ampfused.<op>``
-    (a table is the fused optimizers' eager path only)."""
+    (a table is the fused optimizers' eager path only; a phase over shards, ``call.shard``, traced runs its
+    reference)."""
     if call.table is not None:
         get_backend(backend).step(call)
+    elif call.shard is not None and not _eager(call.steps):
+        get_backend("reference").step(call)  # (a phase over shards has no custom op: traced, its torch operations)
     elif _eager(call.steps):
         get_backend(backend).step(call)
         written = call.tensors_written()

@@ -15,6 +15,15 @@ def step_function(op: str):
     return getattr(importlib.import_module(f"{__package__}.{spec.reference}"), op, None)
 
 
+def shard_function(op: str):
+    """The reference function of step op ``op``'s phases over shards (``<op>shard_``: a factored step split at
+    its sums over whole parameters), or None."""
+    spec = specs.SPECS.get(op)
+    if spec is None or not spec.is_step:
+        return None
+    return getattr(importlib.import_module(f"{__package__}.{spec.reference}"), op + "shard_", None)
+
+
 class ReferenceBackend(Backend):
     name = "reference"
     devices = ("cpu", "cuda", "meta", "mps", "xpu")
@@ -30,6 +39,10 @@ class ReferenceBackend(Backend):
         if call.table is not None or call.options:
             raise TypeError(f"the reference backend takes a step's tensors, without options (got "
                             f"{'a table' if call.table is not None else sorted(call.options)})")
+        if call.shard is not None:
+            phase, sums = call.shard
+            shard_function(call.spec.name)(*call.op_args(), **call.compact_kwargs(), phase=phase, shard=sums)
+            return
         step_function(call.spec.name)(*call.op_args(), **call.compact_kwargs())
 
     def has_step(self, op: str) -> bool:

@@ -5,7 +5,9 @@ A call carries its op's record (:mod:`ampfused.ops.specs`), the tensors in the r
 by name, the hyperparameters by name), and where the parameters and gradients come from: either the tensors
 (``params``, ``grads``: the public ops, the custom ops, an optimizer on its Python path) or a fused optimizer's
 tensor table (``table``: ``(address, rows, array[, stamps])``, written by ``ampfused._host`` after its checks,
-every parameter and gradient of dtype ``dtype``; only for a backend with ``takes_tables``).
+every parameter and gradient of dtype ``dtype``; only for a backend with ``takes_tables``). A factored step over
+the shards of parameters split over ranks runs in phases: ``shard`` is ``(phase, ShardSums)``
+(:class:`ampfused.ops.factored.ShardSums`), from the tensors.
 """
 from __future__ import annotations
 
@@ -18,13 +20,13 @@ from .specs import OpSpec
 
 class StepCall:
     __slots__ = ("spec", "params", "grads", "table", "dtype", "master", "states", "steps", "partials", "inv_scale",
-                 "lr", "out_stats", "hyper", "seed", "state_scales", "options")
+                 "lr", "out_stats", "hyper", "seed", "state_scales", "options", "shard")
 
     def __init__(self, spec: OpSpec, *, master: Optional[Tensor], states: Dict[str, Optional[Tensor]],
                  steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
                  hyper: Dict[str, object], params=None, grads=None, table: Optional[tuple] = None, dtype=None,
                  seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None,
-                 options: Optional[dict] = None):
+                 options: Optional[dict] = None, shard: Optional[tuple] = None):
         self.spec = spec
         self.params, self.grads, self.table, self.dtype = params, grads, table, dtype
         self.master, self.states = master, states
@@ -32,6 +34,7 @@ class StepCall:
         self.hyper = hyper
         self.seed, self.state_scales = seed, state_scales
         self.options = options or {}
+        self.shard = shard
 
     @classmethod
     def of_op(cls, spec: OpSpec, args: tuple, kw: dict) -> "StepCall":
@@ -101,4 +104,6 @@ class StepCall:
         out = [p for p, g in zip(self.params, self.grads) if g is not None] if self.params is not None else []
         out += [t for t in (self.master, *(t for _, t in self.used_states()), self.steps, self.out_stats,
                             self.state_scales) if t is not None]
+        if self.shard is not None:
+            out.append(self.shard[1].sums)
         return out

@@ -185,7 +185,8 @@ class CpuBackend(Backend):
     # ---- a factored state: a table of its own (the state is not laid out like the parameters) -------------
     def _factored_step(self, call: StepCall) -> None:
         """A step whose state is factored (``native_factored``: its table, its rules), from the tensors or from a
-        fused optimizer's table (its segment's ``FactoredSegment.step_table``)."""
+        fused optimizer's table (its segment's ``FactoredSegment.step_table``); a phase over shards
+        (``call.shard``) from the tensors, the shard table after the step's."""
         if call.options:
             raise TypeError(f"{call.spec.name} takes no options on the {self.name} backend")
         factors = call.states[call.spec.states[0].name]
@@ -193,7 +194,7 @@ class CpuBackend(Backend):
             params, grads = list(call.params), list(call.grads)
             fmt, seed = _AF.check(self.name, params, grads, call.master, factors, call.steps, call.partials,
                                   call.inv_scale, call.lr, call.out_stats, call.seed)
-            count, rows = len(params), _AF.table(params, grads)
+            count, rows = len(params), _AF.table(params, grads, call.shard)
             pcode, gcode = _N.DTYPE_CODES[params[0].dtype] if params else 0, _A.grad_code(grads)
         else:
             fmt, _, seed = _N.compact_args(call.dtype, call.master, None, call.seed)
@@ -208,7 +209,7 @@ class CpuBackend(Backend):
             steps=call.steps.data_ptr(), step_code=_N.SCALAR_CODES[call.steps.dtype], partials=partials.data_ptr(),
             num_partials=partials.shape[1], inv_scale=call.inv_scale.data_ptr(), lr=call.lr.data_ptr(),
             lr_code=_N.SCALAR_CODES[call.lr.dtype], out_stats=call.out_stats.data_ptr(), master_format=fmt,
-            seed=seed))
+            seed=seed, **_AF.shard_slots(call.shard, call.steps.device)))
         mod.step(call.spec.name, slots, pack.hyper(call), *place.get("rows", ()))
 
     def _place_factored(self, table, rows, count: int, steps: Tensor) -> dict:

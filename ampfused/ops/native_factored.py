@@ -3,7 +3,8 @@ row and column factors, each other parameter's whole) that the native and Triton
 code relies on. A table is one row of ``AF_COLS`` ints per parameter: param and grad addresses, numel (``NO_GRAD``
 without a gradient), the offset of its weights in ``master`` and of its state in ``factors``, its number of
 dimensions, then ``AF_MAX_DIMS`` sizes and ``AF_MAX_DIMS`` strides (elements); the modules' constants of the same
-names (``step_constants()``) say so too. The cuda backend also reads a tile layout of the table (:func:`tiles`)."""
+names (``step_constants()``) say so too. A phase over shards follows the rows with ``SH_COLS`` ints per parameter
+(``ops.factored.ShardSums``). The cuda backend also reads a tile layout of the table (:func:`tiles`)."""
 from __future__ import annotations
 
 import math
@@ -14,14 +15,19 @@ from torch import Tensor
 
 from .. import _native as _N
 from . import native_args as _A
-from .factored import factor_layout
+from .factored import SH_COLS, factor_layout
 from .reference_common import state_layout
 
 AF_MAX_DIMS = 8
 AF_COLS = 6 + 2 * AF_MAX_DIMS  # the modules' kAfCols (step_constants()["AF_COLS"])
 
 
-def table(params: List[Tensor], grads: List[Optional[Tensor]]) -> List[int]:
+def table(params: List[Tensor], grads: List[Optional[Tensor]], shard: Optional[tuple] = None) -> List[int]:
+    """The table's rows of these tensors; with ``shard`` (a phase over shards, ``StepCall.shard``), followed by its
+    ``SH_COLS`` ints per parameter (``ShardSums.info``)."""
+    if shard is not None and len(shard[1].info) != len(params) * SH_COLS:
+        raise ValueError(f"the shard sums are laid out for {len(shard[1].info) // SH_COLS} parameters, the step "
+                         f"has {len(params)}")
     offsets, _ = state_layout([p.numel() for p in params])
     foffsets, _ = factor_layout([tuple(p.shape) for p in params])
     rows: List[int] = []
@@ -32,7 +38,19 @@ def table(params: List[Tensor], grads: List[Optional[Tensor]]) -> List[int]:
         pad = [0] * (AF_MAX_DIMS - p.dim())
         rows += [p.data_ptr(), 0 if g is None else g.data_ptr(), _N.NO_GRAD if g is None else p.numel(),
                  offsets[i], foffsets[i], p.dim()] + list(p.shape) + pad + list(p.stride()) + pad
-    return rows
+    return rows if shard is None else rows + shard[1].info
+
+
+def shard_slots(shard: Optional[tuple], device: torch.device) -> dict:
+    """The slots of a phase over shards (``StepCall.shard``: ``(phase, ShardSums)``); none for the whole step."""
+    if shard is None:
+        return {}
+    phase, sums = shard
+    if phase not in (1, 2, 3):
+        raise ValueError(f"a phase over shards is 1, 2 or 3, got {phase!r}")
+    if sums.sums.dtype != torch.float64 or sums.sums.device != device:
+        raise ValueError(f"the shard sums must be float64 on {device}, got {sums.sums.dtype} on {sums.sums.device}")
+    return dict(phase=phase, sums=sums.sums.data_ptr())
 
 
 # The cuda backend's tiles (a factored step's csrc/cuda/<kernel>.cu): a matrix is cut into bands of whole rows of about

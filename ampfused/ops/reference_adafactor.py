@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from .._floats import fp32
-from .factored import factor_dims, factor_layout, factor_size, factor_views, factored  # noqa: F401 (its layout)
+from .factored import (SPLIT_ROWS, ShardSums, factor_dims, factor_layout, factor_size, factor_views,  # noqa: F401
+                       factored, shard_sums)
 from .reference_common import _Compact, _commit, _prologue, memory_view, sqrt_rn, state_layout
 
 EPS1_DEFAULT = float(torch.finfo(torch.float32).eps)  # eps=(None, ...): the eps of the dtype the math runs in
@@ -169,7 +170,8 @@ class _ParamStep:
 
     def apply(self, st: _Setup, new_state, u, w_sumsq, u_sumsq, n: int, eps2, d, weight_decay, factors, steps):
         """The step size from the sums of squares (of a whole parameter of ``n`` elements), the update, the
-        factors and the step count, written unless the step is skipped."""
+        factors (``new_state``; None: left as they are) and the step count, written unless the step is
+        skipped."""
         root_n = math.sqrt(n)
         alpha = _max(sqrt_rn(w_sumsq).double() / root_n, eps2) * self.rho
         step = (alpha / _max(sqrt_rn(u_sumsq).double() / (root_n * d), 1.0)).to(st.cd)
@@ -177,93 +179,76 @@ class _ParamStep:
         u_mem = memory_view(torch.empty_like(self.p, dtype=st.cd).copy_(u.view(self.shape)))
         w_new = self.w * self.decay if weight_decay != 0 else self.w
         w_new = w_new - step * u_mem
-        _commit(st.skip, [(factors[self.fsl], new_state)]
+        _commit(st.skip, ([] if new_state is None else [(factors[self.fsl], new_state)])
                 + st.cx.weight_pairs(self.pm, self.w_buf, w_new, self.t, self.sl))
         steps[self.i] += (~st.skip).to(steps.dtype)
 
 
-def shard_sums(shape: Sequence[int], dim: Optional[int]) -> Tuple[bool, bool]:
-    """For a parameter split over ranks along ``dim`` (None: not split), whether its row sums (over columns) and
-    its column sums (over rows) are partial on each rank: ``(dim is the column dimension, dim is the row
-    dimension)`` for a factored shape; a split along a batch dimension leaves both whole."""
-    if dim is None or not factored(shape):
-        return False, False
-    dim = dim % len(shape)
-    return dim == len(shape) - 1, dim == len(shape) - 2
+def adafactor_step_shard_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
+                          factors: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
+                          out_stats: Tensor, beta2_decay: float, eps1: Optional[float], eps2: float, d: float,
+                          weight_decay: float, max_norm: float, maximize: bool = False,
+                          seed: Optional[Tensor] = None, *, phase: int, shard: ShardSums) -> None:
+    """Phase ``phase`` (1, 2 or 3) of :func:`adafactor_step_` over the local shards of parameters split over
+    ranks (FSDP2): ``params`` and ``grads`` are this rank's pieces, ``factors`` is laid out by ``factor_layout``
+    of their shapes (a split along the rows keeps every column factor, along the columns every row factor),
+    ``partials`` are summed over the ranks already; ``shard`` (:class:`ampfused.ops.factored.ShardSums`) says
+    how each parameter is split and holds the sums over whole parameters, ``shard.first`` summed over the ranks
+    between phases 1 and 2, ``shard.second`` between phases 2 and 3 (on the device: no host read).
 
+    1. the sums of ``g*g`` along each row and each column, of ``w*w``, and (rows split) of the new row factors;
+    2. the new factors (from the sums), written; the sum of ``u*u``;
+    3. the step size (of the whole parameter's sums and number of elements) and the weights; the step counts.
 
-def adafactor_step_sharded_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
-                            factors: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
-                            out_stats: Tensor, beta2_decay: float, eps1: Optional[float], eps2: float, d: float,
-                            weight_decay: float, max_norm: float, maximize: bool, seed: Optional[Tensor],
-                            full_shapes: Sequence[Sequence[int]], dims: Sequence[Optional[int]],
-                            reduce: Callable[[Tensor], None]) -> None:
-    """:func:`adafactor_step_` over the local shards of parameters split over ranks (FSDP2): ``params`` and
-    ``grads`` are this rank's pieces, ``full_shapes`` the whole parameters' shapes and ``dims`` the dimension each
-    is split along (None: whole here); ``factors`` is laid out by ``factor_layout`` of the local shapes (a split
-    along the rows keeps every column factor, along the columns every row factor); ``partials`` are summed over
-    the ranks already. ``reduce(t)`` sums ``t`` over the ranks in place (on the device: no host read).
-
-    The math is :func:`adafactor_step_`'s with each sum over a whole parameter made of the ranks' partial sums:
-    the sums of ``w*w`` and ``u*u``, a factored parameter's column sums and row-factor mean when its rows are
-    split, its row sums when its columns are. Two reductions per step for all parameters together, one before
-    the update (those of the gradient and the weight) and one of ``u*u``. With one rank it is
-    :func:`adafactor_step_` bit for bit; with more, the sums are added in another order (within the oracle rule)."""
+    The math is :func:`adafactor_step_`'s with each sum over a whole parameter made of the ranks' partial sums
+    (kept in fp64 from the compute dtype's: one rank is :func:`adafactor_step_` bit for bit; more add them in
+    another order, within the oracle rule). A skipped step writes nothing in any phase. The native and Triton
+    backends run the same phases from the same buffer (``docs/adafactor.md``, "FSDP2")."""
+    if phase not in (1, 2, 3):
+        raise ValueError(f"phase must be 1, 2 or 3, got {phase!r}")
     st = _Setup(params, master, seed, partials, inv_scale, max_norm, out_stats, eps1)
-    work, first = [], []
-    for i, (p, grad) in enumerate(zip(params, grads)):  # the gradient's and the weight's sums
+    sums = shard.sums
+    for i, (p, grad) in enumerate(zip(params, grads)):
         if grad is None:
             continue
         x = _ParamStep(st, i, p, grad, master, steps, lr, beta2_decay, weight_decay, maximize, factors)
-        x.full = tuple(full_shapes[i])
-        row_sums_partial, col_sums_partial = shard_sums(x.full, dims[i])
-        x.w_sumsq = (x.w * x.w).sum().reshape(1)
-        sums = [x.w_sumsq]
-        if factored(x.shape):
-            b, r, c = factor_dims(x.shape)
-            g2 = (x.g * x.g).reshape(b, r, c)
-            x.row_sum, x.col_sum, x.rows = g2.sum(dim=2), g2.sum(dim=1), None
-            if row_sums_partial:
-                sums.append(x.row_sum)
-            if col_sums_partial:  # the rows here are whole: their new factors, and their sum for the mean
-                sums.append(x.col_sum)
-                x.rows = _lerp(factors[x.fsl][:b * r].view(b, r), x.row_sum / x.full[-1], x.w2)
-                x.rows_sum = x.rows.sum(dim=1, keepdim=True)
-                sums.append(x.rows_sum)
-        work.append(x)
-        first.extend(sums)
-    _reduced(first, reduce)
-    second = []
-    for x in work:  # the second moment, the update and its sum of squares
+        split, n_full, r_full, c_full, o_w, o_u, o_rsum, o_rowg, o_colg = shard.row(i)
         state = factors[x.fsl]
         if factored(x.shape):
             b, r, c = factor_dims(x.shape)
-            if x.rows is None:
-                x.rows = _lerp(state[:b * r].view(b, r), x.row_sum / x.full[-1], x.w2)
-                x.rows_sum = x.rows.sum(dim=1, keepdim=True)
-            cols = _lerp(state[b * r:].view(b, c), x.col_sum / x.full[-2], x.w2)
-            rmean = torch.clamp(x.rows_sum / x.full[-2], min=st.eps1)
-            v = ((x.rows.unsqueeze(2) * cols.unsqueeze(1)) / rmean.unsqueeze(2)).reshape(x.shape)
-            x.new_state = torch.cat([x.rows.reshape(-1), cols.reshape(-1)])
+            rows_sl, cols_sl, rsum_sl = slice(o_rowg, o_rowg + b * r), slice(o_colg, o_colg + b * c), \
+                slice(o_rsum, o_rsum + b)
+        if phase == 1:
+            pairs = [(sums[o_w:o_w + 1], (x.w * x.w).sum().reshape(1).to(sums.dtype))]
+            if factored(x.shape):
+                g2 = (x.g * x.g).reshape(b, r, c)
+                row_sum = g2.sum(dim=2)
+                pairs += [(sums[rows_sl], row_sum.reshape(-1).to(sums.dtype)),
+                          (sums[cols_sl], g2.sum(dim=1).reshape(-1).to(sums.dtype))]
+                if split == SPLIT_ROWS:  # the rows here are whole: their new factors' sum, partial
+                    rows = _lerp(state[:b * r].view(b, r), row_sum / c_full, x.w2)
+                    pairs.append((sums[rsum_sl], rows.sum(dim=1).to(sums.dtype)))
+            _commit(st.skip, pairs)
+            continue
+        if factored(x.shape):
+            rows_state, cols_state = state[:b * r].view(b, r), state[b * r:].view(b, c)
+            if phase == 2:
+                rows = _lerp(rows_state, sums[rows_sl].to(st.cd).view(b, r) / c_full, x.w2)
+                cols = _lerp(cols_state, sums[cols_sl].to(st.cd).view(b, c) / r_full, x.w2)
+                rows_sum = sums[rsum_sl].to(st.cd) if split == SPLIT_ROWS else rows.sum(dim=1)
+            else:
+                rows, cols, rows_sum = rows_state, cols_state, sums[rsum_sl].to(st.cd)
+            rmean = torch.clamp(rows_sum.view(b, 1) / r_full, min=st.eps1)
+            v = ((rows.unsqueeze(2) * cols.unsqueeze(1)) / rmean.unsqueeze(2)).reshape(x.shape)
         else:
-            v = _lerp(state.view(x.shape), x.g * x.g, x.w2)
-            x.new_state = v.reshape(-1)
-        x.u = x.g / sqrt_rn(torch.clamp(v, min=st.eps1_sq))
-        x.u_sumsq = (x.u * x.u).sum().reshape(1)
-        second.append(x.u_sumsq)
-    _reduced(second, reduce)
-    for x in work:  # the step size and the update
-        x.apply(st, x.new_state, x.u, x.w_sumsq[0], x.u_sumsq[0], math.prod(x.full), eps2, d, weight_decay, factors,
+            v = _lerp(state.view(x.shape), x.g * x.g, x.w2) if phase == 2 else state.view(x.shape)
+        u = x.g / sqrt_rn(torch.clamp(v, min=st.eps1_sq))
+        if phase == 2:
+            new_state = torch.cat([rows.reshape(-1), cols.reshape(-1)]) if factored(x.shape) else v.reshape(-1)
+            pairs = [(state, new_state), (sums[o_u:o_u + 1], (u * u).sum().reshape(1).to(sums.dtype))]
+            if factored(x.shape) and split != SPLIT_ROWS:
+                pairs.append((sums[rsum_sl], rows_sum.to(sums.dtype)))
+            _commit(st.skip, pairs)
+            continue
+        x.apply(st, None, u, sums[o_w].to(st.cd), sums[o_u].to(st.cd), n_full, eps2, d, weight_decay, factors,
                 steps)
-
-
-def _reduced(parts: List[Tensor], reduce: Callable[[Tensor], None]) -> None:
-    """Sum every tensor of ``parts`` over the ranks in place, in one reduction of their concatenation."""
-    if not parts:  # (no gradient here, nor on any rank: the ranks hold the same parameters' shards)
-        return
-    flat = torch.cat([t.reshape(-1) for t in parts])
-    reduce(flat)
-    k = 0
-    for t in parts:
-        t.copy_(flat[k:k + t.numel()].view(t.shape))
-        k += t.numel()

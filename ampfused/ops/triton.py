@@ -295,14 +295,15 @@ class TritonBackend(Backend):
     def _factored_step(self, call: StepCall) -> None:
         """A factored step: one launch, one program per parameter (``triton_kernels/<kernel>.py``), its table
         (``native_factored.table``, or a fused optimizer's) uploaded once per call site and reused while it holds
-        the same ints (a fused optimizer's: while its stamp is the same)."""
+        the same ints (a fused optimizer's: while its stamp is the same); a phase over shards (``call.shard``)
+        from the tensors, its shard table after the step's."""
         master, steps, seed = call.master, call.steps, call.seed
         factors = call.states[call.spec.states[0].name]
         if call.table is None:
             params, grads = list(call.params), list(call.grads)
             _AF.check(self.name, params, grads, master, factors, steps, call.partials, call.inv_scale, call.lr,
                       call.out_stats, seed)
-            rows, count = _AF.table(params, grads), len(params)
+            rows, count = _AF.table(params, grads, call.shard), len(params)
             pdtype, gdtype = self._step_dtypes(params, grads)
         else:
             rows, count = None, call.table[1]
@@ -322,9 +323,11 @@ class TritonBackend(Backend):
             table, _ = self.step_tables.get_tables(site, (call.table[2],), build, _capturing(device), what,
                                                    stamps=call.table[3], retable=lambda _: build())
         fmt = _kernels("_compact").launch_format(pdtype, master, None, seed)
+        shard = _AF.shard_slots(call.shard, device)
         getattr(_kernels(call.spec.kernel), call.spec.name)(
             table, count, pdtype, gdtype, fmt, master, factors, steps, _A.partials_arg(call.partials),
-            call.inv_scale, call.lr, call.out_stats, *call.hyper_args(), seed)
+            call.inv_scale, call.lr, call.out_stats, *call.hyper_args(), seed,
+            **({} if not shard else dict(phase=shard["phase"], sums=call.shard[1].sums)))
 
 
 BACKEND = TritonBackend()

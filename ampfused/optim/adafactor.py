@@ -11,6 +11,7 @@ from torch import Tensor
 from .. import ops
 from . import _params as P
 from . import _precision
+from ..ops.factored import ShardSums
 from ._factored_state import FactoredSegment, import_state_dict
 from ._base import FusedOptimizer
 from ._step_op import StepOp
@@ -103,28 +104,26 @@ class AdafactorMath(StepOp):
 
     def _step_op(self, seg, params, grads, group, partials, inv_scale, lr, max_norm, backend: str) -> None:
         if seg.sharded:
-            self._sharded_step(seg, params, grads, group, partials, inv_scale, lr, max_norm)
+            self._sharded_step(seg, params, grads, group, partials, inv_scale, lr, max_norm, backend)
             return
         super()._step_op(seg, params, grads, group, partials, inv_scale, lr, max_norm, backend)
 
-    def _sharded_step(self, seg, params, grads, group, partials, inv_scale, lr, max_norm) -> None:
-        """FSDP2: the step over this rank's shards in torch operations (the reference math, summing each whole
-        parameter's sums over the ranks of the split on the device: two all-reduces for the segment)."""
-        from ..ops.reference_adafactor import adafactor_step_sharded_
+    def _sharded_step(self, seg, params, grads, group, partials, inv_scale, lr, max_norm, backend: str) -> None:
+        """FSDP2: the step over this rank's shards in its three phases on ``backend``, each whole parameter's sums
+        summed over the ranks of the split between them on the device (two all-reduces for the segment;
+        ``ampfused.ops.factored.ShardSums``)."""
         call = self._step_call(seg, group, partials, inv_scale, lr, max_norm, params=params, grads=grads)
         ops.check_step(call)
-        h = call.hyper
-        shard_groups = self._segs.shard_groups
-
-        def reduce(t: Tensor) -> None:
-            for pg in shard_groups:
-                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=pg)
-
-        with torch.no_grad():
-            adafactor_step_sharded_(
-                params, grads, seg.master, seg.states["factors"], seg.steps, partials, inv_scale, lr, self._stats,
-                h["beta2_decay"], h["eps1"], h["eps2"], h["d"], h["weight_decay"], max_norm, h["maximize"],
-                call.seed, [tuple(p.shape) for p in seg.params], [shard_dim(p) for p in seg.params], reduce)
+        sh = getattr(seg, "shard_sums", None)
+        if sh is None or sh.shapes != [tuple(p.shape) for p in params]:
+            sh = seg.shard_sums = ShardSums([tuple(p.shape) for p in params], [tuple(p.shape) for p in seg.params],
+                                            [shard_dim(p) for p in seg.params], seg.steps.device)
+        for phase, part in ((1, sh.first), (2, sh.second), (3, None)):
+            call.shard = (phase, sh)
+            ops.run_step(call, backend)
+            if part is not None and part.stop > part.start:
+                for pg in self._segs.shard_groups:
+                    torch.distributed.all_reduce(sh.sums[part], op=torch.distributed.ReduceOp.SUM, group=pg)
 
     def _import_state_dict(self, state_dict: dict) -> None:
         import_state_dict(self, state_dict)

@@ -361,6 +361,167 @@ __global__ void __launch_bounds__(kThreads) adafactor_kernel(const int64_t* tabl
   }
 }
 
+// ---- a step over the shards of parameters split over ranks, in three phases (ampfused/ops/factored.py,
+// ShardSums; the phases of csrc/cpu/steps/adafactor.h, adafactor_param): one block per parameter, the phase a
+// launch argument, the sums over whole parameters in `sums` (fp64), summed over the ranks between the phases.
+//   1. the sums of g*g along each row (a warp per row) and each column (a thread per column), of w*w, and (rows
+//      split) of the new row factors; nothing else written;
+//   2. the new factors (written), the sums of the new row factors (rows whole here), the sum of u*u;
+//   3. the step size from the sums and the weights; the step count.
+// The shard table follows the step's table: kShCols ints per parameter (split, the whole parameter's numel, rows
+// and columns, then the offsets in sums of its w*w, u*u, row-factor sums, row sums, column sums).
+constexpr int kShCols = 9;
+constexpr int kSplitRows = 1;  // the rows are split: column sums and the sum of the row factors are partial here
+
+template <typename G, typename P, int kFmt>
+__global__ void __launch_bounds__(kThreads)
+    adafactor_shard_kernel(const int64_t* table, StepArgs a, AfCudaHyper h, int phase, double* sums) {
+  __shared__ Prologue pro;
+  step_prologue(a, h.max_norm, &pro);
+  if (pro.skip) return;
+  const int64_t k = blockIdx.x;
+  const int64_t* row = table + k * kAfCols;
+  if (row[2] == kNoGrad) return;  // (uniform in the block)
+  const int64_t* sh = table + a.count * kAfCols + k * kShCols;
+  const int split = int(sh[0]);
+  const int64_t n_full = sh[1], r_full = sh[2], c_full = sh[3];
+  double* rsum = sums + sh[6];
+  double* rowg = sums + sh[7];
+  double* colg = sums + sh[8];
+  const AfCudaShape s(row);
+  const auto e = af_elems<G, P, kFmt>(row, a, pro.coef, h.maximize);
+  const double t = next_step(read_scalar(scalar_at(a.steps, a.step_code, k), a.step_code));
+  const float w2 = float(pow(t, h.beta2_decay));
+  const float eps1 = float(h.eps1);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* f = h.factors + row[4];
+  const int64_t n = row[2];
+  // phase 3: the step size of the whole parameter, from its sums
+  const double lr = read_scalar(a.lr, a.lr_code);
+  const float decay = float(1.0 - lr * h.weight_decay);
+  const bool decays = h.weight_decay != 0.0;
+  float step = 0.0f;
+  uint32_t key = 0u;
+  if (phase == 3) {
+    const double rho = fmin(lr, 1.0 / sqrt(t));
+    const double root_n = sqrt(double(n_full));
+    const double alpha = af_max(double(__fsqrt_rn(float(__ldcg(sums + sh[4])))) / root_n, h.eps2) * rho;
+    step = float(alpha / af_max(double(__fsqrt_rn(float(__ldcg(sums + sh[5])))) / (root_n * h.d), 1.0));
+    if (kFmt == kMasterNone) key = step_key(uint64_t(*a.seed), key_step(t));
+  }
+  double w_sumsq = 0.0, u_sumsq = 0.0;
+  if (s.factored) {
+    const int64_t B = s.B, R = s.R, C = s.C;
+    float* rows = f;
+    float* cols = f + B * R;
+    if (phase == 1) {
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t base = s.base(b);
+        double new_rows = 0.0;  // (lane 0 of each warp: its rows' new factors)
+        for (int64_t r = warp; r < R; r += kWarpsAf) {
+          double gs = 0.0;
+          for (int64_t c = lane; c < C; c += 32) {
+            const int64_t j = base + r * s.sr + c * s.sc;
+            const float gi = e.g(j), wi = e.w(j);
+            gs += double(__fmul_rn(gi, gi));
+            w_sumsq += double(__fmul_rn(wi, wi));
+          }
+          gs = warp_sum(gs);
+          if (lane == 0) {
+            rowg[b * R + r] = gs;
+            new_rows += double(af_lerp(rows[b * R + r], __fdiv_rn(float(gs), float(c_full)), w2));
+          }
+        }
+        for (int64_t c = threadIdx.x; c < C; c += kThreads) {
+          double gs = 0.0;
+          for (int64_t r = 0; r < R; ++r) {
+            const float gi = e.g(base + r * s.sr + c * s.sc);
+            gs += double(__fmul_rn(gi, gi));
+          }
+          colg[b * C + c] = gs;
+        }
+        new_rows = block_sum_all(new_rows);
+        if (split == kSplitRows && threadIdx.x == 0) rsum[b] = new_rows;
+      }
+      w_sumsq = block_sum_all(w_sumsq);
+      if (threadIdx.x == 0) sums[sh[4]] = w_sumsq;
+      return;
+    }
+    if (phase == 2) {  // the new factors (this block their only writer), then their rows' sums
+      for (int64_t br = threadIdx.x; br < B * R; br += kThreads) {
+        rows[br] = af_lerp(rows[br], __fdiv_rn(float(__ldcg(rowg + br)), float(c_full)), w2);
+      }
+      for (int64_t bc = threadIdx.x; bc < B * C; bc += kThreads) {
+        cols[bc] = af_lerp(cols[bc], __fdiv_rn(float(__ldcg(colg + bc)), float(r_full)), w2);
+      }
+      __syncthreads();
+      if (split != kSplitRows) {
+        for (int64_t b = 0; b < B; ++b) {
+          double m = 0.0;
+          for (int64_t r = threadIdx.x; r < R; r += kThreads) m += double(rows[b * R + r]);
+          m = block_sum_all(m);
+          if (threadIdx.x == 0) rsum[b] = m;
+        }
+      }
+      __syncthreads();
+    }
+    for (int64_t b = 0; b < B; ++b) {  // u from the new factors: its sum of squares (2), the weights (3)
+      const float rm = af_clamp_min(__fdiv_rn(float(__ldcg(rsum + b)), float(r_full)), eps1);
+      const int64_t base = s.base(b);
+      for (int64_t r = warp; r < R; r += kWarpsAf) {
+        const float rv = rows[b * R + r];
+        for (int64_t c = lane; c < C; c += 32) {
+          const int64_t j = base + r * s.sr + c * s.sc;
+          const float v = af_clamp_min(__fdiv_rn(__fmul_rn(rv, cols[b * C + c]), rm), h.eps1_sq);
+          const float u = __fdiv_rn(e.g(j), __fsqrt_rn(v));
+          if (phase == 2) {
+            u_sumsq += double(__fmul_rn(u, u));
+          } else {
+            const float wi = e.w(j);
+            e.store(j, __fsub_rn(decays ? __fmul_rn(wi, decay) : wi, __fmul_rn(step, u)), key);
+          }
+        }
+      }
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < n; j += kThreads) {
+      const float gi = e.g(j);
+      if (phase == 1) {
+        const float wi = e.w(j);
+        w_sumsq += double(__fmul_rn(wi, wi));
+      } else if (phase == 2) {
+        const float var = af_lerp(f[j], __fmul_rn(gi, gi), w2);
+        f[j] = var;
+        const float u = __fdiv_rn(gi, __fsqrt_rn(af_clamp_min(var, h.eps1_sq)));
+        u_sumsq += double(__fmul_rn(u, u));
+      } else {
+        const float u = __fdiv_rn(gi, __fsqrt_rn(af_clamp_min(f[j], h.eps1_sq)));
+        const float wi = e.w(j);
+        e.store(j, __fsub_rn(decays ? __fmul_rn(wi, decay) : wi, __fmul_rn(step, u)), key);
+      }
+    }
+    if (phase == 1) {
+      w_sumsq = block_sum_all(w_sumsq);
+      if (threadIdx.x == 0) sums[sh[4]] = w_sumsq;
+      return;
+    }
+  }
+  if (phase == 2) {
+    u_sumsq = block_sum_all(u_sumsq);
+    if (threadIdx.x == 0) sums[sh[5]] = u_sumsq;
+    return;
+  }
+  __syncthreads();  // every thread read the step count
+  if (threadIdx.x == 0) add_one(scalar_at(a.steps, a.step_code, k), a.step_code);
+}
+
+template <typename G, typename P, int kFmt>
+cudaError_t af_shard_launch(cudaStream_t st, const int64_t* table, const StepArgs& a, const AfCudaHyper& h, int phase,
+                            double* sums) {
+  adafactor_shard_kernel<G, P, kFmt><<<dim3(unsigned(a.count)), dim3(kThreads), 0, st>>>(table, a, h, phase, sums);
+  return cudaGetLastError();
+}
+
 // Blocks of adafactor_kernel<G, P, kFmt> that fit on the device at once (cached per device): the cooperative
 // launch's grid at most.
 template <typename G, typename P, int kFmt>
@@ -393,6 +554,11 @@ cudaError_t af_launch(int device, cudaStream_t st, const int64_t* table, const S
 
 // The step from the pack: its table (slots[table]: the rows, then the tile layout) in device memory.
 std::string adafactor_step(const StepPack& p) {
+  const int phase = int(p.slot(kSlot_phase));
+  double* sums = p.ptr<double>(kSlot_sums);
+  if (phase < 0 || phase > 3 || (phase > 0 && sums == nullptr)) {
+    throw std::invalid_argument("adafactor_step_: phase must be 0 to 3, and a phase over shards needs its sums");
+  }
   const int64_t num_tiles = p.slot(kSlot_tiles), num_items = p.slot(kSlot_items),
                 num_colparts = p.slot(kSlot_colparts), col_chunk = p.slot(kSlot_col_chunk);
   if (num_tiles < 0 || num_items < 0 || num_colparts < 0 || col_chunk < 1) {
@@ -417,7 +583,15 @@ std::string adafactor_step(const StepPack& p) {
     with_type(a.param_dtype, [&](auto ptag) {
       using G = decltype(gtag);
       using P = decltype(ptag);
-      if (a.master_format == kMasterRemainder) {
+      if (phase > 0) {
+        if (a.master_format == kMasterRemainder) {
+          e = af_shard_launch<G, P, kMasterRemainder>(st, table, a, h, phase, sums);
+        } else if (a.master_format == kMasterNone) {
+          e = af_shard_launch<G, P, kMasterNone>(st, table, a, h, phase, sums);
+        } else {
+          e = af_shard_launch<G, P, kMasterF32>(st, table, a, h, phase, sums);
+        }
+      } else if (a.master_format == kMasterRemainder) {
         e = af_launch<G, P, kMasterRemainder>(device, st, table, a, h);
       } else if (a.master_format == kMasterNone) {
         e = af_launch<G, P, kMasterNone>(device, st, table, a, h);
@@ -426,7 +600,8 @@ std::string adafactor_step(const StepPack& p) {
       }
     });
   });
-  return e == cudaSuccess ? "" : cuda_error("adafactor_step cooperative launch", e);
+  if (e == cudaSuccess) return "";
+  return cuda_error(phase > 0 ? "adafactor_step launch over shards" : "adafactor_step cooperative launch", e);
 }
 
 // Loads every Adafactor kernel on `device` and caches its occupancy (see prepare_norm).
@@ -457,6 +632,7 @@ AMPFUSED_CUDA_STEP("adafactor_step_", adafactor_step, prepare_adafactor, "beta2_
 AMPFUSED_STEP_CONSTANT(AF_COLS, kAfCols);
 AMPFUSED_STEP_CONSTANT(AF_INFO, kAfInfo);
 AMPFUSED_STEP_CONSTANT(AF_MAX_DIMS, kAfMaxDims);
+AMPFUSED_STEP_CONSTANT(SH_COLS, kShCols);
 
 }  // namespace cuda
 }  // namespace ampfused

@@ -84,7 +84,18 @@ def _worker(rank, world, out, max_norm, dtype):
     fully_shard(model)
     opt = ampfused.FusedAdafactor(model.parameters(), **HYPER, max_grad_norm=max_norm)
     scaler = ampfused.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1)
+    run_step, phases = ampfused.ops.run_step, []
+
+    def recorded(call, backend):
+        phases.append((call.shard[0] if call.shard is not None else None, backend))
+        run_step(call, backend)
+
+    ampfused.ops.run_step = recorded
     _train(model, opt, scaler, range(STEPS))
+    ampfused.ops.run_step = run_step
+    # the step's three phases, each step, on the backend the optimizer runs (the native kernels where built)
+    backend = ampfused.ops.step_backend(torch.device("cpu"), (str(dtype),), None, "adafactor_step_")
+    assert phases == [(phase, backend) for _ in range(STEPS) for phase in (1, 2, 3)], phases
     w = model[4].weight  # one row: rank 0 holds it, the others an empty shard
     col_var = opt.state[w]["col_var"]
     assert isinstance(col_var, DTensor) and col_var.placements == (Replicate(),), col_var.placements

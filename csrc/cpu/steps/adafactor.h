@@ -4,6 +4,8 @@
 //      weight (its RMS sets the step size);
 //   2. the new factors (or variance), then the sum of squares of the update u = g / sqrt(v);
 //   3. the update of the weights, stored in the step's master format.
+// A parameter split over ranks takes the three passes as three calls (phases), its sums over the whole parameter
+// summed over the ranks between them (ampfused/ops/factored.py, ShardSums).
 // Sums are fp64 in a fixed order (rows in order, each row's elements in order; each column's rows in order), so
 // the result is the same whatever the thread count. Elementwise operations are fp32, each rounded as written.
 // One build, not one per instruction set (the step is bound by its reductions' order): only the default set's
@@ -144,18 +146,56 @@ struct AfParam {
   }
 };
 
-// One parameter's step (it has a gradient; the step is not skipped).
+// A parameter split over ranks (a sharded step's phase > 0; ampfused/ops/factored.py, ShardSums): its row of
+// the shard table (kShCols ints after the table's rows) and the sums over the whole parameter in `sums` (fp64).
+// Phase 0 is the whole step, its sums made here.
+constexpr int kShCols = 9;
+constexpr int kSplitRows = 1;  // the rows are split: column sums and the sum of the row factors are partial here
+
+struct AfSplit {
+  int split;
+  int64_t n, R, C;                   // the whole parameter's
+  int64_t w, u, rsum, rowg, colg;    // offsets in sums
+  AfSplit(const int64_t* sh, const AfShape& s, int64_t n_here) {
+    if (sh) {
+      split = int(sh[0]);
+      n = sh[1];
+      R = sh[2];
+      C = sh[3];
+      w = sh[4];
+      u = sh[5];
+      rsum = sh[6];
+      rowg = sh[7];
+      colg = sh[8];
+    } else {
+      split = 0;
+      n = n_here;
+      R = s.R;
+      C = s.C;
+      w = u = rsum = rowg = colg = 0;
+    }
+  }
+};
+
+// One parameter's step, or phase `phase` of it (it has a gradient; the step is not skipped):
+//   phase 1: the sums of g*g along rows and columns, of w*w, and (rows split) of the new row factors, to sums;
+//   phase 2: the factors from those sums (written), the sum of u*u to sums;
+//   phase 3: the weights, from the factors and the sums.
+// Phase 0 runs the three in one, with its own sums: the phases of one rank are its bits.
 template <typename G, typename P, int kFmt>
-void adafactor_param(const AfBufs& bufs, const int64_t* row, float coef, double t, const AfHyper& h, int nthreads) {
+void adafactor_param(const AfBufs& bufs, const int64_t* row, const int64_t* shard, int phase, double* sums,
+                     float coef, double t, const AfHyper& h, int nthreads) {
   const AfParam<G, P, kFmt> e{bufs, row, coef, h.maximize};
   const AfShape s(row);
   const int64_t n = row[2];
+  const AfSplit sp(shard, s, n);
+  const bool whole = phase == 0;
   float* f = bufs.factors + row[4];
   const float w2 = float(std::pow(t, h.beta2_decay));
   const double rho = std::fmin(h.lr, 1.0 / std::sqrt(t));
   const float decay = float(1.0 - h.lr * h.weight_decay);
   const float eps1 = float(h.eps1);
-  double w_sumsq = 0.0, u_sumsq = 0.0;
+  double w_sumsq = whole || phase == 1 ? 0.0 : sums[sp.w], u_sumsq = phase == 3 ? sums[sp.u] : 0.0;
   const int64_t B = s.B, R = s.R, C = s.C;
   float* rows = f;
   float* cols = f + B * R;
@@ -166,68 +206,106 @@ void adafactor_param(const AfBufs& bufs, const int64_t* row, float coef, double 
     else fn(s.sc);
   };
   if (s.factored) {
-    std::vector<double> w_row(size_t(B * R), 0.0), u_row(size_t(B * R), 0.0);
-    // 1. row sums (and the weight's) by rows, column sums by columns: each sum in one fixed order
-    with_sc([&](auto sc) {
+    // the sums of g*g along rows and columns: here (phase 0), or in sums
+    std::vector<double> own_g(size_t(whole ? B * R + B * C : 0), 0.0);
+    double* row_g = whole ? own_g.data() : sums + sp.rowg;
+    double* col_g = whole ? own_g.data() + B * R : sums + sp.colg;
+    // the new row factors of matrix b, summed in row order
+    const auto rows_sum = [&](int64_t b, auto row_factor) {
+      double m = 0.0;
+      for (int64_t r = 0; r < R; ++r) m += double(row_factor(b * R + r));
+      return m;
+    };
+    const auto new_row = [&](int64_t br) { return af_lerp(rows[br], float(row_g[br]) / float(sp.C), w2); };
+    if (phase <= 1) {
+      std::vector<double> w_row(size_t(B * R), 0.0);
+      // 1. row sums (and the weight's) by rows, column sums by columns: each sum in one fixed order
+      with_sc([&](auto sc) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-      for (int64_t br = 0; br < B * R; ++br) {
-        const int64_t at = s.base(br / R) + (br % R) * s.sr;
-        const double gs = af_sum(C, [&](int64_t c) { const float gi = e.g(at + c * sc); return double(gi * gi); });
-        w_row[size_t(br)] = af_sum(C, [&](int64_t c) { const float wi = e.w(at + c * sc); return double(wi * wi); });
-        rows[br] = af_lerp(rows[br], float(gs) / float(C), w2);
-      }
-    });
-    // columns in blocks of kAfColBlock, rows in order inside each: every column's sum in row order (the order
-    // of one column at a time), read along the rows (a row-major matrix's memory order)
-    const int64_t nblk = (C + kAfColBlock - 1) / kAfColBlock;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t bk = 0; bk < B * nblk; ++bk) {
-      const int64_t bb = bk / nblk, c0 = (bk % nblk) * kAfColBlock, c1 = std::min(C, c0 + kAfColBlock);
-      const int64_t base = s.base(bb);
-      double gs[kAfColBlock] = {};
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t at = base + r * s.sr;
-        for (int64_t c = c0; c < c1; ++c) {
-          const float gi = e.g(at + c * s.sc);
-          gs[c - c0] += double(gi * gi);
+        for (int64_t br = 0; br < B * R; ++br) {
+          const int64_t at = s.base(br / R) + (br % R) * s.sr;
+          row_g[br] = af_sum(C, [&](int64_t c) { const float gi = e.g(at + c * sc); return double(gi * gi); });
+          w_row[size_t(br)] = af_sum(C, [&](int64_t c) { const float wi = e.w(at + c * sc); return double(wi * wi); });
         }
+      });
+      // columns in blocks of kAfColBlock, rows in order inside each: every column's sum in row order (the order
+      // of one column at a time), read along the rows (a row-major matrix's memory order)
+      const int64_t nblk = (C + kAfColBlock - 1) / kAfColBlock;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+      for (int64_t bk = 0; bk < B * nblk; ++bk) {
+        const int64_t bb = bk / nblk, c0 = (bk % nblk) * kAfColBlock, c1 = std::min(C, c0 + kAfColBlock);
+        const int64_t base = s.base(bb);
+        double gs[kAfColBlock] = {};
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t at = base + r * s.sr;
+          for (int64_t c = c0; c < c1; ++c) {
+            const float gi = e.g(at + c * s.sc);
+            gs[c - c0] += double(gi * gi);
+          }
+        }
+        for (int64_t c = c0; c < c1; ++c) col_g[bb * C + c] = gs[c - c0];
       }
-      for (int64_t c = c0; c < c1; ++c) cols[bb * C + c] = af_lerp(cols[bb * C + c], float(gs[c - c0]) / float(R), w2);
+      for (int64_t br = 0; br < B * R; ++br) w_sumsq += w_row[size_t(br)];
+      if (phase == 1) {
+        sums[sp.w] = w_sumsq;
+        if (sp.split == kSplitRows) {
+          for (int64_t b = 0; b < B; ++b) sums[sp.rsum + b] = rows_sum(b, new_row);
+        }
+        return;
+      }
+    }
+    if (phase <= 2) {  // the new factors
+      for (int64_t br = 0; br < B * R; ++br) rows[br] = new_row(br);
+      for (int64_t bc = 0; bc < B * C; ++bc) cols[bc] = af_lerp(cols[bc], float(col_g[bc]) / float(sp.R), w2);
     }
     for (int64_t b = 0; b < B; ++b) {
-      double m = 0.0;
-      for (int64_t r = 0; r < R; ++r) m += double(rows[b * R + r]);
-      rmean[size_t(b)] = af_clamp_min(float(m) / float(R), eps1);
-    }
-    // 2. the update's sum of squares
-    with_sc([&](auto sc) {
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-      for (int64_t br = 0; br < B * R; ++br) {
-        const int64_t bb = br / R, at = s.base(bb) + (br % R) * s.sr;
-        const float row_f = rows[br], rm = rmean[size_t(bb)];
-        const float* col = cols + bb * C;
-        u_row[size_t(br)] = af_sum(C, [&](int64_t c) {
-          const float v = af_clamp_min((row_f * col[c]) / rm, h.eps1_sq);
-          const float u = e.g(at + c * sc) / std::sqrt(v);
-          return double(u * u);
-        });
+      double m;
+      if (phase == 3 || (phase == 2 && sp.split == kSplitRows)) {
+        m = sums[sp.rsum + b];
+      } else {
+        m = rows_sum(b, [&](int64_t br) { return rows[br]; });
+        if (phase == 2) sums[sp.rsum + b] = m;
       }
-    });
-    for (int64_t br = 0; br < B * R; ++br) {
-      w_sumsq += w_row[size_t(br)];
-      u_sumsq += u_row[size_t(br)];
+      rmean[size_t(b)] = af_clamp_min(float(m) / float(sp.R), eps1);
     }
-  } else {
+    if (phase != 3) {
+      // 2. the update's sum of squares
+      std::vector<double> u_row(size_t(B * R), 0.0);
+      with_sc([&](auto sc) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+        for (int64_t br = 0; br < B * R; ++br) {
+          const int64_t bb = br / R, at = s.base(bb) + (br % R) * s.sr;
+          const float row_f = rows[br], rm = rmean[size_t(bb)];
+          const float* col = cols + bb * C;
+          u_row[size_t(br)] = af_sum(C, [&](int64_t c) {
+            const float v = af_clamp_min((row_f * col[c]) / rm, h.eps1_sq);
+            const float u = e.g(at + c * sc) / std::sqrt(v);
+            return double(u * u);
+          });
+        }
+      });
+      for (int64_t br = 0; br < B * R; ++br) u_sumsq += u_row[size_t(br)];
+      if (phase == 2) {
+        sums[sp.u] = u_sumsq;
+        return;
+      }
+    }
+  } else if (phase != 3) {
     for (int64_t j = 0; j < n; ++j) {
       const float gi = e.g(j), wi = e.w(j);
-      f[j] = af_lerp(f[j], gi * gi, w2);
-      const float u = gi / std::sqrt(af_clamp_min(f[j], h.eps1_sq));
-      w_sumsq += double(wi * wi);
-      u_sumsq += double(u * u);
+      if (phase != 1) {
+        f[j] = af_lerp(f[j], gi * gi, w2);
+        const float u = gi / std::sqrt(af_clamp_min(f[j], h.eps1_sq));
+        u_sumsq += double(u * u);
+      }
+      if (phase != 2) w_sumsq += double(wi * wi);
     }
+    if (phase == 1) sums[sp.w] = w_sumsq;
+    if (phase == 2) sums[sp.u] = u_sumsq;
+    if (phase != 0) return;
   }
   // the step size: fp64 from the fp32 sums, as torch forms it from its .item() reads; rounded once
-  const double root_n = std::sqrt(double(n));
+  const double root_n = std::sqrt(double(sp.n));
   const double alpha = af_max(double(std::sqrt(float(w_sumsq))) / root_n, h.eps2) * rho;
   const float step = float(alpha / af_max(double(std::sqrt(float(u_sumsq))) / (root_n * h.d), 1.0));
   const bool decays = h.weight_decay != 0.0;
@@ -259,19 +337,25 @@ void adafactor_param(const AfBufs& bufs, const int64_t* row, float coef, double 
   }
 }
 
-// Every parameter with a gradient (rows: the Adafactor table), each at its own step count t[k].
-inline void adafactor_apply(const AfBufs& b, const int64_t* rows, int64_t count, const double* t, float coef,
-                            const AfHyper& h, int nthreads) {
+// Every parameter with a gradient (rows: the Adafactor table; shards: the shard table, phase > 0), each at its own
+// step count t[k].
+inline void adafactor_apply(const AfBufs& b, const int64_t* rows, const int64_t* shards, int phase, double* sums,
+                            int64_t count, const double* t, float coef, const AfHyper& h, int nthreads) {
   with_type(b.grad_dtype, [&](auto gtag) {
     using G = decltype(gtag);
     with_type(b.param_dtype, [&](auto ptag) {
       using P = decltype(ptag);
       for (int64_t k = 0; k < count; ++k) {
         const int64_t* row = rows + k * kAfCols;
+        const int64_t* sh = phase > 0 ? shards + k * kShCols : nullptr;
         if (row[2] == kNoGrad) continue;
-        if (b.master_format == kMasterRemainder) adafactor_param<G, P, kMasterRemainder>(b, row, coef, t[k], h, nthreads);
-        else if (b.master_format == kMasterNone) adafactor_param<G, P, kMasterNone>(b, row, coef, t[k], h, nthreads);
-        else adafactor_param<G, P, kMasterF32>(b, row, coef, t[k], h, nthreads);
+        if (b.master_format == kMasterRemainder) {
+          adafactor_param<G, P, kMasterRemainder>(b, row, sh, phase, sums, coef, t[k], h, nthreads);
+        } else if (b.master_format == kMasterNone) {
+          adafactor_param<G, P, kMasterNone>(b, row, sh, phase, sums, coef, t[k], h, nthreads);
+        } else {
+          adafactor_param<G, P, kMasterF32>(b, row, sh, phase, sums, coef, t[k], h, nthreads);
+        }
       }
     });
   });
@@ -281,8 +365,15 @@ namespace {
 
 void adafactor_step(const StepPack& p) {
   const StepArgs& a = p.args;
-  if (p.table_ints >= 0 && p.table_ints != a.count * kAfCols) {  // (-1: a fused optimizer's table by address)
-    throw std::invalid_argument("the Adafactor table must hold " + std::to_string(kAfCols) + " ints per parameter");
+  const int phase = int(p.slot(kSlot_phase));
+  double* sums = p.ptr<double>(kSlot_sums);
+  if (phase < 0 || phase > 3 || (phase > 0 && (sums == nullptr || p.table_ints < 0))) {
+    throw std::invalid_argument("adafactor_step_: phase must be 0 to 3, and a phase over shards needs its sums and "
+                                "its table as ints");
+  }
+  const int64_t cols = phase > 0 ? kAfCols + kShCols : kAfCols;
+  if (p.table_ints >= 0 && p.table_ints != a.count * cols) {  // (-1: a fused optimizer's table by address)
+    throw std::invalid_argument("the Adafactor table must hold " + std::to_string(cols) + " ints per parameter");
   }
   const double beta2_decay = p.h(0), eps1 = p.h(1), eps2 = p.h(2), d = p.h(3), weight_decay = p.h(4),
                max_norm = p.h(5);
@@ -296,7 +387,8 @@ void adafactor_step(const StepPack& p) {
   for (int64_t k = 0; k < a.count; ++k) {
     t[size_t(k)] = next_step(read_scalar(scalar_at(a.steps, a.step_code, k), a.step_code));
   }
-  adafactor_apply(b, a.table, a.count, t.data(), coef, h, threads_of(p));
+  adafactor_apply(b, a.table, a.table + a.count * kAfCols, phase, sums, a.count, t.data(), coef, h, threads_of(p));
+  if (phase == 1 || phase == 2) return;  // (the step counts advance with the weights)
   for (int64_t k = 0; k < a.count; ++k) {
     if (a.table[k * kAfCols + 2] != kNoGrad) add_one(scalar_at(a.steps, a.step_code, k), a.step_code);
   }
@@ -308,6 +400,7 @@ AMPFUSED_STEP_ENTRY(CpuSteps, "adafactor_step_", "", adafactor_step, "beta2_deca
                     "weight_decay", "max_norm", "maximize");
 AMPFUSED_STEP_CONSTANT(AF_COLS, kAfCols);
 AMPFUSED_STEP_CONSTANT(AF_MAX_DIMS, kAfMaxDims);
+AMPFUSED_STEP_CONSTANT(SH_COLS, kShCols);
 
 }  // namespace cpu
 }  // namespace ampfused

@@ -33,7 +33,9 @@ namespace ampfused {
   /* CUDA: the work lists beside the table (launch.h: WorkList), the block counter, the single launch */ \
   X(chunks) X(num_chunks) X(columns) X(num_columns) X(counter) X(single_launch)                          \
   /* a factored state's tiles on the GPU (their count, items and column parts; scratch) */             \
-  X(tiles) X(items) X(colparts) X(scratch) X(col_chunk)
+  X(tiles) X(items) X(colparts) X(scratch) X(col_chunk)                                                  \
+  /* a factored step over shards: its phase (0: the whole step) and its sums over whole parameters */    \
+  X(phase) X(sums)
 // clang-format on
 
 enum StepSlot : int {
