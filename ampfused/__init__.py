@@ -11,7 +11,8 @@ from .clip import clip_grad_norm_
 from . import cuda  # noqa: F401  (ampfused.cuda.amp.GradScaler, the torch.cuda.amp spelling)
 
 # each fused optimizer's ZeRO-1 sharded version (ampfused.distributed), imported on first use
-_DISTRIBUTED = tuple("Sharded" + name for name in optim.__all__ if name.startswith("Fused"))
+_DISTRIBUTED = tuple("Sharded" + name for name in optim.__all__
+                     if name.startswith("Fused") and name not in optim.UNSHARDED)
 
 __all__ = ["ops", "__version__", "SpikeGuard", *(n for n in optim.__all__ if n.startswith("Fused")),
            "GradScaler", "clip_grad_norm_", "cuda", "ScalePolicy", "register_scale_policy", "MinScaleError",

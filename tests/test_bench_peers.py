@@ -174,3 +174,23 @@ def test_lion_benchmark_times_the_installed_peers(tmp_path):
         assert "bnb-lion8bit: not installed (pip install bitsandbytes)" in r.stdout
     else:
         assert float(rows["bnb-lion8bit"]["state_bytes_per_param"]) == round(1 + 4 / 256, 3)
+
+
+def test_muon_benchmark_times_torch_recipe_and_fused_muon(tmp_path):
+    """``python -m bench --optimizer muon`` on a tiny transformer: torch's recipe (Muon + AdamW, one scaler, one
+    clip) and FusedMuon in fp32, bf16 with masters and bf16 with remainders, the fp32 one held against torch's
+    recipe before anything is timed; the state each keeps per parameter."""
+    r = subprocess.run([sys.executable, "-m", "bench", "--optimizer", "muon", "--device", "cpu", "--workloads",
+                        "d16x1", "--max-seconds", "0.2", "--reps", "2", "--no-progress", "--out", str(tmp_path),
+                        "--name", "t"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(tmp_path / "t-muon.csv", newline="") as f:
+        rows = {row["variant"]: row for row in csv.DictReader(f)}
+    assert set(rows) == {"torch-muon+adamw", "ampfused", "ampfused+bf16", "ampfused+bf16+rem"}
+    n, mats = int(rows["ampfused"]["params"]), int(rows["ampfused"]["matrices"])
+    assert (n, mats) == (4 * 16 * 16 + 2 * 4 * 16 * 16 + 4 * 16, 6)
+    # torch's: one momentum (4 B) per matrix element, two AdamW moments (8 B) per vector element
+    vec = 4 * 16
+    assert float(rows["torch-muon+adamw"]["state_bytes_per_param"]) == round((4 * (n - vec) + 8 * vec) / n, 3)
+    assert float(rows["ampfused+bf16+rem"]["state_bytes_per_param"]) < float(rows["ampfused+bf16"][
+        "state_bytes_per_param"])

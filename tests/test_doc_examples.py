@@ -35,6 +35,7 @@ EXAMPLES = {
     "docs/api.md": [("FusedAdamW(params, lr=1e-3,", "tests/test_readme.py (the signatures)"),
                     ("FusedLion(params, lr=1e-4,", "tests/test_readme.py (the signatures)"),
                     ("FusedAdafactor(params, lr=1e-2,", "tests/test_readme.py (the signatures)"),
+                    ("FusedMuon(params, lr=1e-3,", "tests/test_readme.py (the signatures)"),
                     ("from ampfused.policies import HysteresisPolicy", "here"),
                     ('@ampfused.register_scale_policy("overflow_rate")', "here"),
                     ("guard = ampfused.SpikeGuard(", "here"), ("tokens = torch.zeros(", "here"),
@@ -48,6 +49,7 @@ EXAMPLES = {
                             ("from torch.distributed.fsdp import fully_shard", "tests/distributed/test_dist_readme.py")],
     "docs/frameworks.md": [("import torch", "tests/integrations/test_readme_examples.py")] * 4,
     "docs/adafactor.md": [("opt = ampfused.FusedAdafactor(", "here")],
+    "docs/muon.md": [("matrices = [p for p in model.parameters()", "here")],
 }
 
 
@@ -66,7 +68,7 @@ def example(doc: str, first_line: str, cpu: bool = True) -> str:
 # the documents whose examples are listed above (the others carry tests of their own)
 LISTED = ["README.md"] + [f"docs/{n}.md" for n in ("api", "frameworks", "distributed", "checkpoints", "cuda-graphs",
                                                     "benchmark", "alignment", "building", "gpu-validation",
-                                                    "architecture", "adafactor")]
+                                                    "architecture", "adafactor", "muon")]
 
 
 def test_every_example_is_tested():
@@ -115,18 +117,31 @@ def _loss_fn(out, y):
     return F.cross_entropy(out.float(), y)
 
 
-def test_adafactor_example_trains_a_bf16_model_with_remainders():
+def _trained_by_example(doc: str, first_line: str):
+    """The optimizer a document's example makes (``opt``) for a bf16 model, after a few steps that change every
+    parameter: ``(model, opt)``."""
     model = _model(torch.bfloat16)
     before = _params(model)
     ns = dict(torch=torch, ampfused=ampfused, model=model)
-    exec(example("docs/adafactor.md", "opt = ampfused.FusedAdafactor("), ns)
+    exec(example(doc, first_line), ns)
     opt = ns["opt"]
     for x, y in _batches(dtype=torch.bfloat16):
         _loss_fn(model(x), y).backward()
         opt.step()
         opt.zero_grad()
     assert _changed(before, model)
+    return model, opt
+
+
+def test_adafactor_example_trains_a_bf16_model_with_remainders():
+    model, opt = _trained_by_example("docs/adafactor.md", "opt = ampfused.FusedAdafactor(")
     assert all("master_remainder" in opt.state[p] for p in model.parameters())
+
+
+def test_muon_example_trains_with_adamw_for_the_vectors():
+    model, opt = _trained_by_example("docs/muon.md", "matrices = [p for p in model.parameters()")
+    assert [g.get("use_muon", True) for g in opt.param_groups] == [True, False]
+    assert all(("momentum_buffer" in opt.state[p]) == (p.dim() == 2) for p in model.parameters())
 
 
 def test_readme_drop_in_scaler():

@@ -49,10 +49,10 @@ def test_a_bad_record_is_refused():
 def test_the_public_defaults_are_the_records(name):
     spec = specs.SPECS[name]
     public = inspect.signature(getattr(ops, name)).parameters
-    if name == "adafactor_step_":  # torch.optim.Adafactor's spelling: one eps pair
-        assert public["eps"].default == (spec.hyper["eps1"], spec.hyper["eps2"])
+    for group, members in spec.groups:  # hyperparameters the public function takes as one tuple (torch's)
+        assert public[group].default == tuple(spec.hyper[m] for m in members)
     shared = [h for h in spec.hyper if h in public]
-    assert len(shared) >= len(spec.hyper) - 2
+    assert len(shared) == len(spec.hyper) - sum(len(members) for _, members in spec.groups)
     assert {h: public[h].default for h in shared} == {h: spec.hyper[h] for h in shared}
 
 
@@ -115,6 +115,14 @@ def test_opcheck_of_the_ops_no_other_test_opchecks():
     for seed in ((), (None,)):  # seed left out: the one trailing argument with a default
         torch.library.opcheck(o.adafactor_step_.default, (t["params"], t["grads"], t["master"], factors, *common,
                                                           -0.8, None, 1e-3, 1.0, 0.0, 1.0, False, backend, *seed))
+    mats = [torch.randn(6, 4), torch.randn(3, 5)]
+    grads = [torch.randn_like(m) for m in mats]
+    inv = torch.ones(())
+    partials = ops.norm_check(grads, inv, backend="reference")
+    buf = torch.zeros(reference.state_layout([m.numel() for m in mats])[1])
+    torch.library.opcheck(o.muon_step_.default, (mats, grads, None, buf, torch.zeros(2), partials, inv,
+                                                 torch.tensor(0.02), torch.zeros(2), 0.95, True, 0.1, 3.4445, -4.775,
+                                                 2.0315, 1e-7, 5, None, math.inf, "reference", None, None))
 
 
 def _sources_naming(word: str) -> list:
@@ -134,7 +142,7 @@ def _sources_naming(word: str) -> list:
     return found
 
 
-@pytest.mark.parametrize("word", ["lion", "adafactor"])
+@pytest.mark.parametrize("word", ["lion", "adafactor", "muon"])
 def test_an_optimizer_is_named_in_at_most_ten_source_files(word):
     """Adding an optimizer is its math, its kernels, its class and the export lists (docs/architecture.md's
     recipe): nothing else in the package names it."""

@@ -70,6 +70,7 @@ def _same_default(written, real) -> bool:
     ("FusedSGD(params", ampfused.FusedSGD),
     ("FusedLion(params", ampfused.FusedLion),
     ("FusedAdafactor(params", ampfused.FusedAdafactor),
+    ("FusedMuon(params", ampfused.FusedMuon),
     ("ampfused.GradScaler(device", ampfused.GradScaler),
     ("ampfused.clip_grad_norm_(parameters", ampfused.clip_grad_norm_),
 ])

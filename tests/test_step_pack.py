@@ -11,7 +11,7 @@ from ampfused import _native
 from ampfused.ops import native_args, specs
 from ampfused.ops.call import StepCall
 
-STEP_OPS = sorted(name for name, spec in specs.SPECS.items() if spec.is_step)
+STEP_OPS = sorted(name for name, spec in specs.SPECS.items() if spec.is_step and spec.native)
 
 
 def _module(kind):

@@ -383,7 +383,7 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
 
     def _backend_name(self, seg, params, grads) -> str:
         return ops.step_backend(self._device, ops._step_dtypes(params, grads, seg.master), self.backend,
-                                self.step_op)
+                                self._op_for(self.param_groups[seg.group_index]))
 
     # --- what the fused optimizers report ---------------------------------------------------------------------
     @property
@@ -449,7 +449,7 @@ class ShardedFusedOptimizer(torch.optim.Optimizer):
         step = saved["step"]
         return float(step.item() if isinstance(step, Tensor) else step)
 
-    def _state_keys_for_load(self, saved: dict):
+    def _state_keys_for_load(self, saved: dict, group: Optional[dict] = None):
         return self.state_names
 
     def _state_names_for(self, group: dict) -> tuple:

@@ -148,7 +148,10 @@ def check_step(call: StepCall) -> None:
         spec.rules(call.params, hyper)
     for h in spec.hypers:  # the kernels' types
         v = hyper[h.name]
-        hyper[h.name] = bool(v) if h.type == "bool" else v if v is None else float(v)
+        if h.type == "bool":
+            hyper[h.name] = bool(v)
+        elif v is not None and h.type.startswith("float"):
+            hyper[h.name] = float(v)
 
 
 def _positional(op: str, args: tuple, kw: dict) -> tuple:

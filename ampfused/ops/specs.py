@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple, Union
 
-from . import reference_adafactor
+from . import reference_adafactor, reference_muon
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class OpSpec:
     reference: str = "reference"  # the module of ampfused.ops that holds its reference function (the specification)
     rules: Optional[Callable] = None  # a step's own input rules, ``rules(params, hyper)``, after the shared ones
     groups: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()  # hyperparameters its public function takes as one tuple
+    native: bool = True  # a step the native modules have an entry for (False: its reference runs on every device)
 
     def __post_init__(self):
         names = [a.name for a in self.args]
@@ -182,4 +183,11 @@ SPECS: Dict[str, OpSpec] = {s.name: s for s in (
         Hyper("eps2", "float", 1e-3), Hyper("d", "float", 1.0), Hyper("weight_decay", "float", 0.0), MAX_NORM,
         MAXIMIZE), state_scales=False, layout="factored", reference="reference_adafactor",
         rules=reference_adafactor.check_rules, groups=(("eps", ("eps1", "eps2")),), doc=reference_adafactor.DOC),
+    step_op("muon_step_", (State("momentum_buffer"),), (
+        Hyper("momentum", "float", 0.95), Hyper("nesterov", "bool", True), Hyper("weight_decay", "float", 0.1),
+        Hyper("ns_a", "float", reference_muon.NS_A), Hyper("ns_b", "float", reference_muon.NS_B),
+        Hyper("ns_c", "float", reference_muon.NS_C), Hyper("eps", "float", reference_muon.EPS),
+        Hyper("ns_steps", "SymInt", reference_muon.NS_STEPS), Hyper("adjust_lr_fn", "str?", None), MAX_NORM),
+        reference="reference_muon", rules=reference_muon.check_rules,
+        groups=(("ns_coefficients", ("ns_a", "ns_b", "ns_c")),), doc=reference_muon.DOC, native=False),
 )}

@@ -11,3 +11,7 @@ __all__ += ["FusedLion", "optimi_state_dict"]
 from .adafactor import FusedAdafactor  # noqa: E402
 
 __all__ += ["FusedAdafactor"]
+from .muon import FusedMuon  # noqa: E402
+
+__all__ += ["FusedMuon"]
+UNSHARDED = ("FusedMuon",)  # the fused optimizers without a ZeRO-1 version (ampfused.distributed) yet

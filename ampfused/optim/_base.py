@@ -283,7 +283,12 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _update_segments(self, batch: _Batch, partials: Tensor, inv_scale: Tensor, lr_mult: Optional[Tensor],
                          folded_max_norm: Optional[float]) -> None:
-        """K2 over every segment that has a gradient; ``folded_max_norm``: a clip folded into this step."""
+        """K2 over every segment that has a gradient; ``folded_max_norm``: a clip folded into this step. Each
+        segment's backend is resolved before any of them steps (a backend named that lacks a group's op is refused
+        with nothing changed)."""
+        backends = {} if batch.tables else {
+            si: self._backend_name(seg, batch.per_segment[si]) for si, seg in enumerate(self._segs.segments)
+            if not batch.segment_empty(si)}
         for si, seg in enumerate(self._segs.segments):
             if batch.segment_empty(si):
                 continue
@@ -302,21 +307,21 @@ class FusedOptimizer(torch.optim.Optimizer):
                     self._segs.note_state(self, seg, [n != _NO_GRAD for n in seg.table[:, 2].tolist()])
             else:
                 grads = batch.per_segment[si]
-                self._update(seg, grads, group, partials, inv_scale, lr, max_norm)
+                self._update(seg, grads, group, partials, inv_scale, lr, max_norm, backends[si])
                 if not torch.compiler.is_compiling():
                     seg.vers = versions(seg.tensors())
                 if not seg.all_state:
                     self._segs.note_state(self, seg, [g is not None for g in grads])
 
     def _update(self, seg: Segment, grads: List[Optional[Tensor]], group: dict, partials: Tensor,
-                inv_scale: Tensor, lr: Tensor, max_norm: float) -> None:
-        """K2 over one segment (the Python path); ``_step_op`` is the subclass's op (AdamMath, SgdMath)."""
-        self._step_op(seg, seg.tensors(), grads, group, partials, inv_scale, lr, max_norm,
-                      self._backend_name(seg, grads))
+                inv_scale: Tensor, lr: Tensor, max_norm: float, backend: str) -> None:
+        """K2 over one segment (the Python path) on ``backend``; ``_step_op`` is the subclass's op (AdamMath,
+        SgdMath)."""
+        self._step_op(seg, seg.tensors(), grads, group, partials, inv_scale, lr, max_norm, backend)
 
     def _backend_name(self, seg: Segment, grads: List[Optional[Tensor]]) -> str:
         return ops.step_backend(seg.device, ops._step_dtypes(seg.tensors(), grads, seg.master), self.backend,
-                                self.step_op)
+                                self._op_for(self.param_groups[seg.group_index]))
 
     @property
     def last_grad_norm(self) -> Tensor:
@@ -460,7 +465,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         step = saved["step"]
         return float(step.item() if isinstance(step, Tensor) else step)
 
-    def _state_keys_for_load(self, saved: dict):
+    def _state_keys_for_load(self, saved: dict, group: Optional[dict] = None):
+        """The state keys a loaded parameter's entry must hold (``group``: the param group the parameter is in)."""
         return self.state_names
 
     def _state_names_for(self, group: dict) -> tuple:

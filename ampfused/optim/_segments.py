@@ -454,7 +454,7 @@ class Segments:
             ps = group["params"]
             if was is None or type(ps) is not list or not host.same_items(ps, was):
                 return None
-        backend = self.table_backend(opt.backend, opt._device, opt.step_op)
+        backend = self.table_backend(opt.backend, opt._device, lambda seg: opt._op_for(groups[seg.group_index]))
         if backend is None:
             return None
         batch = _Batch()
@@ -477,10 +477,10 @@ class Segments:
         batch.dtypes = tuple(sorted(dtypes))
         return batch
 
-    def table_backend(self, backend: Optional[str], device: torch.device, op: str):
+    def table_backend(self, backend: Optional[str], device: torch.device, op):
         """The backend that runs every segment's step and K1 over any of their gradients (``backend``: the one
-        the optimizer was given, ``device``: its parameters', ``op``: its step op), when it takes the host pass's
-        tables; else None.
+        the optimizer was given, ``device``: its parameters', ``op``: its step op, or a function of a segment
+        giving its op), when it takes the host pass's tables; else None.
         Remembered while the segments, ``backend`` and the backend registry (and its environment override) stay
         the same."""
         key = (id(self.segments), backend, os.environ.get(ops.registry.ENV_VAR), ops.registry.generation())
@@ -494,7 +494,8 @@ class Segments:
                 # the segments), and the backend is resolved for where and what the state goes to, never for
                 # what it leaves (a backend forced for the new device would be refused for the old one)
                 return None
-            b = ops.registry.get_backend(ops.step_backend(seg.device, seg.step_dtypes, backend, op))
+            b = ops.registry.get_backend(ops.step_backend(seg.device, seg.step_dtypes, backend,
+                                                          op if isinstance(op, str) else op(seg)))
             k1 = ops.registry.get_backend(ops.step_backend(seg.device, (str(seg.dtype),), backend))
             if seg.sharded or not seg.takes_tables or b is None or not b.takes_tables or k1 is not b \
                     or found not in (None, b):

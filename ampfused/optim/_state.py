@@ -209,9 +209,9 @@ def checked_groups(opt, state_dict: dict) -> tuple:
     return saved_state, sid_of, new_groups
 
 
-def checked_entry(opt, saved_state: dict, sid, p: Tensor):
-    """Parameter ``p``'s saved state (index ``sid``), checked: ``(entry, state keys, step)``, or None when it
-    has none."""
+def checked_entry(opt, saved_state: dict, sid, p: Tensor, group: Optional[dict] = None):
+    """Parameter ``p``'s saved state (index ``sid``; ``group``: the param group it is in, when the optimizer's
+    groups keep different states), checked: ``(entry, state keys, step)``, or None when it has none."""
     e = saved_state.get(sid)
     if not e:
         return None
@@ -219,7 +219,7 @@ def checked_entry(opt, saved_state: dict, sid, p: Tensor):
     if not isinstance(e, dict):
         raise ValueError(f"loaded state of {where} must be a dict, got {type(e).__name__}")
     e = _codes_as_moments(e, opt.state_names, where)
-    keys = list(opt._state_keys_for_load(e))
+    keys = list(opt._state_keys_for_load(e) if group is None else opt._state_keys_for_load(e, group))
     missing = [k for k in keys if k not in e]
     if missing:
         raise ValueError(f"loaded state of {where} lacks {missing}")
@@ -327,7 +327,8 @@ def _load_moment(seg, i: int, key: str, e: dict, p: Tensor, states: dict, scales
 def import_state_dict(opt, state_dict: dict) -> None:
     """``opt.load_state_dict(sd)`` from ours or from torch.optim's matching optimizer."""
     saved_state, sid_of, new_groups = checked_groups(opt, state_dict)  # everything checked before any change
-    plans = [(seg, [checked_entry(opt, saved_state, sid_of[id(p)], p) for p in seg.params])
+    plans = [(seg, [checked_entry(opt, saved_state, sid_of[id(p)], p, opt.param_groups[seg.group_index])
+                    for p in seg.params])
              for seg in opt._segs.segments]
 
     # Build the new buffers aside; swap them in only once all of them are complete.

@@ -14,13 +14,18 @@ class StepOp:
     step_op: str = ""  # the op's name in ops.specs.SPECS
     op_states: Dict[str, str] = {}  # the op's state names that the optimizer's state calls otherwise
 
+    def _op_for(self, group: dict) -> str:
+        """The step op of ``group``'s segments: ``step_op``, but in an optimizer whose groups step by different
+        ops (one with AdamW's groups beside its own)."""
+        return self.step_op
+
     def _op_hyper(self, group: dict) -> dict:
         """The op's hyperparameters but ``max_norm``, from a param group, as the kernels take them."""
         raise NotImplementedError
 
     def _step_call(self, seg, group: dict, partials, inv_scale, lr, max_norm: float, **source) -> StepCall:
         """The step of segment ``seg``; ``source``: its ``params`` and ``grads``, or its ``table`` and ``dtype``."""
-        spec = ops.specs.SPECS[self.step_op]
+        spec = ops.specs.SPECS[self._op_for(group)]
         hyper = self._op_hyper(group)
         hyper["max_norm"] = max_norm
         names = self.op_states

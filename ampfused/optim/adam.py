@@ -71,7 +71,7 @@ class AdamMath(StepOp):
         return dict(beta1=beta1, beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                     decoupled=decoupled, maximize=bool(group["maximize"]))
 
-    def _state_keys_for_load(self, saved: dict):
+    def _state_keys_for_load(self, saved: dict, group: Optional[dict] = None):
         if "max_exp_avg_sq" in saved:
             raise ValueError(f"the loaded state has 'max_exp_avg_sq' (an AMSGrad optimizer's state): "
                              f"{type(self).__name__} does not implement AMSGrad")

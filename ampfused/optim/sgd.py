@@ -70,7 +70,7 @@ class SgdMath(StepOp):
             return super()._import_step(saved)
         return 0.0 if saved.get("momentum_buffer") is None else 1.0
 
-    def _state_keys_for_load(self, saved: dict):
+    def _state_keys_for_load(self, saved: dict, group: Optional[dict] = None):
         return ("momentum_buffer",) if saved.get("momentum_buffer") is not None else ()
 
     def _state_names_for(self, group: dict) -> tuple:

@@ -124,10 +124,11 @@ def parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     d.add_argument("--dist-timeout", type=float, default=600.0,
                    help="seconds the whole distributed run may take before its processes are killed (default 600)")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--optimizer", choices=["adamw", "lion"], default="adamw",
+    p.add_argument("--optimizer", choices=["adamw", "lion", "muon"], default="adamw",
                    help="lion: FusedLion in its state modes against torch's Lion recipe and optimi's Lion "
                         "(bench/step/lion.py; --workloads <N>[k|M]x<tensors>, --no-scaler, --warmup, --reps, "
-                        "--max-seconds, --threads, --out, --name apply)")
+                        "--max-seconds, --threads, --out, --name apply); muon: FusedMuon (Muon + AdamW groups) "
+                        "against torch.optim.Muon + AdamW (bench/step/muon.py; --workloads d<width>x<layers>)")
     return p
 
 
@@ -188,6 +189,9 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
     if args.optimizer == "lion":
         from . import lion
         return lion.main(args, device)
+    if args.optimizer == "muon":
+        from . import muon
+        return muon.main(args, device)
     if args.distributed:
         given = [f"--{k.replace('_', '-')}" for k in _SWEEP_ONLY if getattr(args, k) not in (None, False)]
         if given:

@@ -1,0 +1,148 @@
+"""Muon's step in plain torch: the specification of ``muon_step_`` (``torch.optim.Muon``'s math).
+
+Conventions are :mod:`ampfused.ops.reference`'s (parameters and gradients where they live, flat state buffers laid
+out by ``state_layout``, ``partials``, ``inv_scale``, ``lr`` and ``steps`` on the device, ``out_stats``, a skip
+that writes nothing). The step has three parts, the shape a fused step keeps: an elementwise pass (the momentum,
+Nesterov's interpolation and the input of the iteration), the Newton-Schulz iteration on torch's matmuls in bf16
+(one batched chain per shape: :func:`orthogonalize`), and an elementwise pass (the decay, the update, the master
+and the model's copy).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .reference import _tensors_to_update, lerp
+from .reference_common import _commit, _Compact, _prologue, memory_view
+
+NS_A, NS_B, NS_C = 3.4445, -4.7750, 2.0315  # torch.optim.Muon's (Keller Jordan's) coefficients
+NS_A_B_C = (NS_A, NS_B, NS_C)
+EPS = 1e-7
+NS_STEPS = 5
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+# the public function's documentation (ampfused.ops.muon_step_, made from its record in specs.py)
+DOC = """Fused ``torch.optim.Muon`` step over parameters where they live (math:
+    :func:`ampfused.ops.reference_muon.muon_step_`).
+
+    params: T dense tensors of one dtype (any memory layout), each a matrix (or, with more dimensions, a stack of
+    matrices over its last two), updated in place; grads: T entries (``None`` leaves a parameter alone), each with
+    its parameter's shape and layout; master, momentum_buffer: flat buffers laid out by ``state_layout`` as
+    :func:`adam_step_`'s (compact state as its: int16 master remainders, no master with a ``seed``, a bf16 or
+    uint8 ``momentum_buffer`` with ``state_scales`` ``[1, blocks]``); steps ``[T]`` fp32; partials ``[2, P]``;
+    inv_scale, lr 0-d fp32; out_stats ``[2]``; ``ns_coefficients=(a, b, c)`` as torch.optim.Muon takes them.
+    """
+
+
+def check_rules(params, hyper: dict) -> None:
+    """``muon_step_``'s own input rules (torch.optim.Muon's, with its messages), after the rules every step
+    shares."""
+    for p in params:
+        if p.is_complex():
+            raise RuntimeError("Muon does not support complex parameters")
+        if p.dim() < 2:
+            raise ValueError(f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()}")
+    if not 0.0 <= hyper["momentum"]:
+        raise ValueError(f"momentum should be >= 0 but is: {hyper['momentum']}")
+    if not 0.0 <= hyper["weight_decay"]:
+        raise ValueError(f"weight decay should be >= 0 but is: {hyper['weight_decay']}")
+    if hyper["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(f"Adjust learning rate function {hyper['adjust_lr_fn']} is not supported")
+    steps = hyper["ns_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"ns_steps must be a non-negative int, got {steps!r}")
+    if steps >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    if not 0.0 <= hyper["eps"]:
+        raise ValueError(f"eps should be >= 0 but is: {hyper['eps']}")
+
+
+def lr_ratio(shape: Sequence[int], adjust_lr_fn: Optional[str]) -> float:
+    """torch's ``_adjust_lr`` factor for a matrix of ``shape`` (the last two dimensions of a stack): ``"original"``
+    (and None) ``sqrt(max(1, A / B))``, ``"match_rms_adamw"`` ``0.2 * sqrt(max(A, B))``."""
+    a, b = int(shape[-2]), int(shape[-1])
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return math.sqrt(max(1, a / b))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(a, b))
+    return 1.0
+
+
+def orthogonalize(x: Tensor, a: float, b: float, c: float, steps: int, eps: float,
+                  dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """torch.optim.Muon's Newton-Schulz iteration over a stack of matrices ``x`` ``[k, m, n]`` in ``dtype`` (bf16
+    as torch runs it; fp64 for the oracle), each matrix on its own: transposed when it has more rows than columns,
+    divided by ``max(its Frobenius norm, eps)``, then ``steps`` times ``A = X X^T``, ``B = b A + c A A``,
+    ``X = a X + B X`` (torch's ``addmm`` chain, batched)."""
+    x = x.to(dtype)
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, update, x, beta=a)
+    return x.mT if tall else x
+
+
+def muon_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
+               momentum_buffer: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
+               out_stats: Tensor, momentum: float, nesterov: bool, weight_decay: float, ns_a: float, ns_b: float,
+               ns_c: float, eps: float, ns_steps: int, adjust_lr_fn: Optional[str], max_norm: float,
+               seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None) -> None:
+    """One ``torch.optim.Muon`` step over a list of matrices, without a host read.
+
+    With ``c = inv_scale * min(1, max_norm / (norm + 1e-6))`` and, for each parameter ``i`` with a gradient,
+    ``w`` its master (or itself) and ``m`` its ``momentum_buffer`` slice::
+
+        g = c * grad                                  (in the compute dtype)
+        m = lerp(m, g, 1 - momentum)
+        u = lerp(g, m, momentum) if nesterov else m
+        O = NS(u)                                     (orthogonalize: bf16, per matrix, batched by shape)
+        w = w * fp32(1 - lr * weight_decay) - fp32(lr * ratio) * O      (ratio: lr_ratio of its shape)
+        param = round(w);  steps[i] += 1
+
+    ``lerp`` is :func:`ampfused.ops.reference.lerp` (torch's two forms, no fused multiply-add); the scalars are
+    formed in fp64 from the fp32 ``lr`` and rounded once, as torch forms them from its Python floats. A parameter
+    of more than two dimensions is a stack of matrices over its last two, each orthogonalized on its own (torch's
+    Muon refuses them; :class:`ampfused.FusedMuon` takes them when asked). ``steps`` is not in the math: it keys
+    the stochastic rounding (``t = steps[i] + 1``). Compact state as :func:`ampfused.ops.reference.adam_step_`
+    with one moment (a bf16 or uint8 ``momentum_buffer``, signed codes, stream 1).
+    """
+    cx = _Compact(params, master, [("momentum_buffer", momentum_buffer)], seed, state_scales)
+    cd = cx.cd
+    coef, skip = _prologue(partials, inv_scale, max_norm, out_stats, cd)
+    lr64 = lr.double()
+    decay = (1.0 - lr64 * weight_decay).to(cd) if weight_decay != 0 else None
+    # 1. the momentum and the iteration's input, in memory order; grouped by shape for the iteration
+    by_shape: Dict[Tuple[int, ...], list] = {}
+    for i, pm, gm, w_buf, sl in _tensors_to_update(params, grads, master, cx.align):
+        m_buf = momentum_buffer[sl]
+        g = gm.to(cd) * coef
+        m_new = lerp(cx.load_state(m_buf, 0, sl), g, 1 - momentum)
+        u = lerp(g, m_new, momentum) if nesterov else m_new
+        t = steps[i].to(cd) + 1
+        by_shape.setdefault(tuple(params[i].shape), []).append((i, pm, w_buf, sl, m_buf, m_new, u, t))
+    ns_dtype = torch.float64 if cd == torch.float64 else torch.bfloat16
+    for shape, work in by_shape.items():
+        # 2. the iteration: the inputs in logical order, one batched chain of every matrix of this shape
+        logical = []
+        for i, *_, u, _t in work:
+            x = torch.empty_like(params[i], dtype=cd)
+            memory_view(x).copy_(u)
+            logical.append(x.reshape(-1, shape[-2], shape[-1]))
+        ortho = orthogonalize(torch.cat(logical), ns_a, ns_b, ns_c, int(ns_steps), eps, ns_dtype)
+        step = (lr64 * lr_ratio(shape, adjust_lr_fn)).to(cd)
+        per = len(logical[0])
+        # 3. the update, back in memory order
+        for k, (i, pm, w_buf, sl, m_buf, m_new, _u, t) in enumerate(work):
+            o = torch.empty_like(params[i], dtype=cd)
+            o.copy_(ortho[k * per:(k + 1) * per].reshape(shape))
+            w = cx.load_weight(pm, w_buf)
+            w_new = (w * decay if decay is not None else w) - step * memory_view(o)
+            _commit(skip, cx.state_pairs(m_buf, m_new, 0, t, sl) + cx.weight_pairs(pm, w_buf, w_new, t, sl))
+            steps[i] += (~skip).to(steps.dtype)

@@ -1,0 +1,269 @@
+"""FusedMuon and ``ampfused.ops.muon_step_`` against torch's recipe: ``torch.optim.Muon`` for the matrices and
+``torch.optim.AdamW`` for the rest (the groups FusedMuon steps with ``use_muon=False``).
+
+* Over several steps, within the oracle rule (tests/oracle.py): the oracle is the reference step in fp64 (the
+  Newton-Schulz iteration in fp64, AdamW's groups by the reference AdamW), torch's fp32 recipe (its iteration in
+  bf16, one matrix at a time) the plain implementation whose error sets the bound; with ``ampfused.GradScaler``
+  and a clip by the norm over every group (torch: ``unscale_`` of both optimizers, ``clip_grad_norm_`` over all
+  parameters); ``adjust_lr_fn`` both ways; Nesterov off.
+* A skipped step changes nothing in any group; state precision: the remainders' run is the fp32-master run's bits,
+  stochastic rounding and bf16 / 8-bit momentum stay close to it.
+* torch.optim.Muon's arguments, defaults, messages and refusals; expert stacks behind ``expert_stacks=True``;
+  state dicts both ways with torch.optim.Muon.
+"""
+import math
+
+import pytest
+import torch
+
+import ampfused
+from ampfused import ops
+from ampfused.ops import reference, reference_muon
+from backends import cpu_backends
+from oracle import assert_bitwise, assert_close_to_oracle
+
+MATRICES = [(16, 8), (8, 16), (16, 8), (5, 5), (3, 7)]  # tall, wide, square; two of one shape: one batched chain
+VECTORS = [(16,), (8,)]
+SHAPES = MATRICES + VECTORS
+NM = len(MATRICES)
+LR, AUX_LR = 0.02, 3e-3
+STEPS = 5
+
+
+def _init(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(s, generator=g, dtype=torch.float64) * 0.5).to(dtype) for s in SHAPES]
+
+
+def _grads(k, dtype=torch.float32, scale=1.0):
+    g = torch.Generator().manual_seed(100 + k)
+    return [(torch.randn(s, generator=g, dtype=torch.float64) * 0.1 * scale).to(dtype) for s in SHAPES]
+
+
+def _groups(ps, **muon):
+    return [dict(params=ps[:NM], **muon), dict(params=ps[NM:], use_muon=False, lr=AUX_LR)]
+
+
+def _torch_run(steps, max_norm=None, scaled=False, **kw):
+    """torch's recipe in fp32: Muon + AdamW (one scaler, one clip over every parameter)."""
+    ps = [p.clone().requires_grad_() for p in _init()]
+    muon = torch.optim.Muon(ps[:NM], lr=LR, **kw)
+    adamw = torch.optim.AdamW(ps[NM:], lr=AUX_LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1) if scaled else None
+    for k in range(steps):
+        if scaler:
+            scaler.scale(torch.zeros(()))  # (a loss would be scaled here: the scaler's scale exists from now)
+        for p, g in zip(ps, _grads(k, scale=scaler.get_scale() if scaler else 1.0)):
+            p.grad = g
+        if scaler:
+            scaler.unscale_(muon)
+            scaler.unscale_(adamw)
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ps, max_norm)
+        if scaler:
+            scaler.step(muon)
+            scaler.step(adamw)
+            scaler.update()
+        else:
+            muon.step()
+            adamw.step()
+    return [p.detach() for p in ps]
+
+
+def _oracle(steps, max_norm=math.inf, nesterov=True, adjust_lr_fn=None):
+    """The reference step in fp64 (the iteration too), the clip by the norm over every gradient."""
+    ps = [p.double() for p in _init()]
+    one, lr, aux_lr = torch.ones((), dtype=torch.float64), torch.tensor(LR), torch.tensor(AUX_LR)
+    n_m = reference.state_layout([p.numel() for p in ps[:NM]])[1]
+    n_v = reference.state_layout([p.numel() for p in ps[NM:]])[1]
+    buf = torch.zeros(n_m, dtype=torch.float64)
+    m, v = torch.zeros(n_v, dtype=torch.float64), torch.zeros(n_v, dtype=torch.float64)
+    steps_m, steps_v, stats = torch.zeros(NM), torch.zeros(len(VECTORS)), torch.zeros(2, dtype=torch.float64)
+    for k in range(steps):
+        grads = _grads(k, torch.float64)
+        partials = reference.norm_check(grads, one)
+        reference_muon.muon_step_(ps[:NM], grads[:NM], None, buf, steps_m, partials, one, lr, stats, 0.95, nesterov,
+                                  0.1, *reference_muon.NS_A_B_C, 1e-7, 5, adjust_lr_fn, max_norm)
+        reference.adam_step_(ps[NM:], grads[NM:], None, m, v, steps_v, partials, one, aux_lr, stats, 0.9, 0.999,
+                             1e-8, 1e-2, max_norm, True)
+    return ps
+
+
+def _fused_run(steps, max_norm=None, scaled=False, dtype=torch.float32, options=None, **muon):
+    ps = [torch.nn.Parameter(p) for p in _init(dtype)]
+    opt = ampfused.FusedMuon(_groups(ps, **muon), lr=LR, max_grad_norm=max_norm, **(options or {}))
+    scaler = ampfused.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1) if scaled else None
+    for k in range(steps):
+        if scaler:
+            scaler.scale(torch.zeros(()))
+        for p, g in zip(ps, _grads(k, dtype, scale=scaler.get_scale() if scaler else 1.0)):
+            p.grad = g
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+    return ps, opt
+
+
+@pytest.mark.parametrize("case", ["plain", "clip+scaler", "no-nesterov", "match_rms_adamw"])
+def test_the_recipe_within_the_oracle_rule(case):
+    kw = {"no-nesterov": dict(nesterov=False), "match_rms_adamw": dict(adjust_lr_fn="match_rms_adamw")}.get(case, {})
+    clip = dict(max_norm=0.05, scaled=True) if case == "clip+scaler" else {}
+    plain = _torch_run(STEPS, **clip, **kw)
+    oracle = _oracle(STEPS, clip.get("max_norm", math.inf), **kw)
+    got, _ = _fused_run(STEPS, **clip, **kw)
+    for i, (a, b, c) in enumerate(zip(got, plain, oracle)):
+        assert_close_to_oracle(f"param[{i}] {SHAPES[i]}", a, b, c)
+
+
+def test_a_skipped_step_changes_nothing_in_any_group():
+    ps, opt = _fused_run(2, scaled=False)
+    before = [p.detach().clone() for p in ps] + [t.clone() for s in opt._segs.segments
+                                                 for t in (s.steps, *s.states.values())]
+    for p, g in zip(ps, _grads(7)):
+        p.grad = g
+    ps[-1].grad[0] = float("inf")  # in an AdamW group: the whole step skips
+    scaler = ampfused.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.zeros(()))
+    scaler.step(opt)
+    scaler.update()
+    after = [p.detach() for p in ps] + [t for s in opt._segs.segments for t in (s.steps, *s.states.values())]
+    for i, (a, b) in enumerate(zip(after, before)):
+        assert_bitwise(f"[{i}]", a, b)
+    assert scaler.get_scale() == 2.0
+
+
+def test_state_precision_modes():
+    bf16 = torch.bfloat16
+    base, _ = _fused_run(3, dtype=bf16)
+    rem, opt = _fused_run(3, dtype=bf16, options=dict(store_param_remainders=True))
+    for i, (a, b) in enumerate(zip(rem, base)):
+        assert_bitwise(f"param[{i}] with remainders", a, b)
+    assert all(opt.state[p]["master_remainder"].dtype == torch.int16 for p in rem)
+    for options in (dict(bf16_stochastic_round=True), dict(momentum_dtype=bf16), dict(momentum_dtype=torch.uint8)):
+        got, opt = _fused_run(3, dtype=bf16, options=options)
+        for i, (a, b) in enumerate(zip(got, base)):
+            err = (a.float() - b.float()).abs().max().item()
+            assert err <= 0.02 * b.float().abs().max().item(), (options, i, err)
+        if "momentum_dtype" in options:
+            assert opt.state[got[0]]["momentum_buffer"].dtype == options["momentum_dtype"]
+
+
+def test_expert_stacks_are_taken_when_asked_each_matrix_on_its_own():
+    g = torch.Generator().manual_seed(3)
+    stack = torch.randn(3, 8, 16, generator=g)
+    grads = [torch.randn(3, 8, 16, generator=g) * 0.1 for _ in range(3)]
+    with pytest.raises(ValueError, match="Muon only supports 2D parameters.*expert_stacks=True"):
+        ampfused.FusedMuon([torch.nn.Parameter(stack.clone())])
+    p = torch.nn.Parameter(stack.clone())
+    opt = ampfused.FusedMuon([p], lr=LR, expert_stacks=True)
+    experts = [s.clone().requires_grad_() for s in stack]
+    plain = torch.optim.Muon(experts, lr=LR)
+    oracle = [s.double() for s in stack]
+    buf = torch.zeros(reference.state_layout([e.numel() for e in experts])[1], dtype=torch.float64)
+    counts, stats, one = torch.zeros(3), torch.zeros(2, dtype=torch.float64), torch.ones((), dtype=torch.float64)
+    for grad in grads:
+        p.grad = grad.clone()
+        opt.step()
+        for e, ge in zip(experts, grad):
+            e.grad = ge.clone()
+        plain.step()
+        g64 = [ge.double() for ge in grad]
+        reference_muon.muon_step_(oracle, g64, None, buf, counts, reference.norm_check(g64, one), one,
+                                  torch.tensor(LR), stats, 0.95, True, 0.1, *reference_muon.NS_A_B_C, 1e-7, 5, None,
+                                  math.inf)
+    for i in range(3):
+        assert_close_to_oracle(f"expert {i}", p.detach()[i], experts[i].detach(), oracle[i])
+
+
+def test_torch_arguments_defaults_and_messages():
+    import inspect
+    ours = inspect.signature(ampfused.FusedMuon).parameters
+    theirs = inspect.signature(torch.optim.Muon).parameters
+    for name, par in theirs.items():
+        assert name in ours and ours[name].default == par.default, name
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    for kw, exc, msg in [
+            (dict(lr=-1.0), ValueError, "Learning rate should be >= 0 but is: -1.0"),
+            (dict(momentum=-0.1), ValueError, "momentum should be >= 0 but is: -0.1"),
+            (dict(weight_decay=-1.0), ValueError, "weight decay should be >= 0 but is: -1.0"),
+            (dict(adjust_lr_fn="cosine"), ValueError, "Adjust learning rate function cosine is not supported"),
+            (dict(ns_steps=100), ValueError, "Number of steps must be less than 100"),
+            (dict(ns_coefficients=(1.0, 2.0)), ValueError, "Coefficients must be a tuple of exactly 3 values")]:
+        with pytest.raises(exc, match=msg):
+            ampfused.FusedMuon([w], **kw)
+    with pytest.raises(ValueError, match=r"Muon only supports 2D parameters whereas we found a parameter with size: "
+                                         r"torch.Size\(\[4\]\)"):
+        ampfused.FusedMuon([torch.nn.Parameter(torch.randn(4))])
+    opt = ampfused.FusedMuon([w])
+    with pytest.raises(ValueError, match="Muon only supports 2D"):
+        opt.add_param_group(dict(params=[torch.nn.Parameter(torch.randn(5))]))
+    opt.add_param_group(dict(params=[torch.nn.Parameter(torch.randn(5))], use_muon=False))
+    aux = opt.param_groups[-1]
+    assert (aux["lr"], aux["betas"], aux["eps"], aux["weight_decay"]) == (1e-3, (0.9, 0.999), 1e-8, 1e-2)
+    assert opt.param_groups[0]["eps"] == reference_muon.EPS and opt.param_groups[0]["weight_decay"] == 0.1
+    w.grad = torch.randn(4, 3)
+    opt.param_groups[0]["adjust_lr_fn"] = "cosine"  # changed between steps: refused before anything changes
+    before = w.detach().clone()
+    with pytest.raises(ValueError, match="Adjust learning rate function cosine"):
+        opt.step()
+    assert_bitwise("w", w.detach(), before)
+
+
+def test_state_dicts_both_ways_with_torch_muon():
+    ps = [torch.nn.Parameter(p) for p in _init()[:NM]]
+    opt = ampfused.FusedMuon(ps, lr=LR)
+    theirs_ps = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    theirs = torch.optim.Muon(theirs_ps, lr=LR)
+    for k in range(2):
+        for p, q, g in zip(ps, theirs_ps, _grads(k)):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        theirs.step()
+    ours_sd, theirs_sd = opt.state_dict(), theirs.state_dict()
+    assert set(ours_sd["state"][0]) == {"momentum_buffer", "step"} and set(theirs_sd["state"][0]) == {
+        "momentum_buffer"}
+    # ours into torch's, torch's into ours: the same momentum, and the next steps agree within the oracle rule
+    fresh_torch = torch.optim.Muon([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=LR)
+    fresh_torch.load_state_dict(ours_sd)
+    fresh_ours_ps = [torch.nn.Parameter(q.detach().clone()) for q in theirs_ps]
+    fresh_ours = ampfused.FusedMuon(fresh_ours_ps, lr=LR)
+    fresh_ours.load_state_dict(theirs_sd)
+    for i, (p, q) in enumerate(zip(ps, fresh_ours_ps)):
+        assert_bitwise(f"momentum_buffer[{i}] into torch", fresh_torch.state[fresh_torch.param_groups[0]["params"][i]][
+            "momentum_buffer"], opt.state[p]["momentum_buffer"])
+        assert_bitwise(f"momentum_buffer[{i}] from torch", fresh_ours.state[q]["momentum_buffer"],
+                       theirs.state[theirs_ps[i]]["momentum_buffer"])
+
+
+def test_the_op_on_the_reference_against_torch_one_matrix():
+    w = torch.randn(6, 4)
+    g = torch.randn(6, 4) * 0.1
+    mine = w.clone()
+    buf, steps, stats = torch.zeros(reference.state_layout([24])[1]), torch.zeros(1), torch.zeros(2)
+    ops.muon_step_([mine], [g], None, buf, steps, reference.norm_check([g], torch.ones(())), torch.ones(()),
+                   torch.tensor(LR), stats, weight_decay=0.1)
+    theirs = w.clone().requires_grad_()
+    theirs.grad = g.clone()
+    torch.optim.Muon([theirs], lr=LR).step()
+    assert (mine - theirs.detach()).abs().max() < 1e-6
+    with pytest.raises(ValueError, match="Muon only supports 2D"):
+        ops.muon_step_([torch.zeros(24)], [torch.zeros(24)], None, buf, steps, reference.norm_check(
+            [g], torch.ones(())), torch.ones(()), torch.tensor(LR), stats)
+    with pytest.raises(ValueError, match="ns_coefficients"):
+        ops.muon_step_([mine], [g], None, buf, steps, reference.norm_check([g], torch.ones(())), torch.ones(()),
+                       torch.tensor(LR), stats, ns_coefficients=(1.0, 2.0))
+    assert steps.item() == 1.0
+
+
+@pytest.mark.skipif("cpu" not in cpu_backends(), reason="the cpu backend is not built")
+def test_a_named_backend_without_muon_is_refused_before_any_group_steps():
+    w, v = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(4))
+    opt = ampfused.FusedMuon([dict(params=[v], use_muon=False), dict(params=[w])], backend="cpu")
+    w.grad, v.grad = torch.randn(6, 4), torch.randn(4)
+    before = [v.detach().clone(), w.detach().clone()]
+    with pytest.raises(RuntimeError, match="'cpu' \\(forced\\) does not implement muon_step_"):
+        opt.step()
+    assert_bitwise("v", v.detach(), before[0])
+    assert_bitwise("w", w.detach(), before[1])
