@@ -319,3 +319,49 @@ def test_clip_of_other_parameters_runs_its_own_pass_and_says_why():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         acc.clip_grad_norm_(model.parameters(), 1.0)  # exactly the optimizer's: folded, no warning
+
+
+def test_fused_muon_with_its_adamw_groups_through_accelerate():
+    """FusedMuon (Muon for the matrices, AdamW for the biases, one optimizer) prepared by accelerate and fused:
+    bf16 autocast, 4 micro-batches, the clip folded into the step, two steps with an inf skipped (and reported as
+    skipped) in every group, and the loss falling as it falls in the same script with torch's recipe (torch's Muon +
+    AdamW, two optimizers, torch's clip, no inf injected)."""
+    def losses(kind):
+        model = mlp()
+        mats = [p for p in model.parameters() if p.dim() == 2]
+        vecs = [p for p in model.parameters() if p.dim() != 2]
+        if kind == "fused":
+            opts = [ampfused.FusedMuon([dict(params=mats), dict(params=vecs, use_muon=False, lr=3e-3)], lr=0.02)]
+        else:
+            opts = [torch.optim.Muon(mats, lr=0.02), torch.optim.AdamW(vecs, lr=3e-3)]
+        acc = _accelerator("cpu", mixed_precision="bf16", gradient_accumulation_steps=GA)
+        x, y = classification_data(STEPS * GA * BATCH)
+        loader = torch.utils.data.DataLoader(list(zip(x, y)), batch_size=BATCH)
+        model, *rest = acc.prepare(model, *opts, loader)
+        opts, loader = rest[:-1], rest[-1]
+        if kind == "fused":
+            fuse(acc)
+        out, skipped = [], []
+        for xb, yb in loader:
+            with acc.accumulate(model):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = nn.functional.cross_entropy(model(xb).float(), yb)
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    if kind == "fused" and len(out) in INF_AT:
+                        mats[0].grad.view(-1)[3] = float("inf")
+                    acc.clip_grad_norm_(model.parameters(), 1.0)
+                for opt in opts:
+                    opt.step()
+                    opt.zero_grad()
+                if acc.sync_gradients:
+                    out.append(loss.item())
+                    if kind == "fused":
+                        skipped.append(acc.optimizer_step_was_skipped)
+        return out, skipped
+
+    ours, skipped = losses("fused")
+    ref, _ = losses("torch")
+    assert skipped == [k in INF_AT for k in range(STEPS)]
+    assert_trains(ours, "accelerate FusedMuon")
+    assert_trains(ref, "accelerate torch Muon + AdamW")
