@@ -267,3 +267,18 @@ def test_a_named_backend_without_muon_is_refused_before_any_group_steps():
         opt.step()
     assert_bitwise("v", v.detach(), before[0])
     assert_bitwise("w", w.detach(), before[1])
+
+
+def test_a_compiled_step_is_the_eager_steps_bits():
+    """``torch.compile`` of the step (its op through the custom op, the iteration traced): the eager step's bits."""
+    ps = [[torch.nn.Parameter(p.clone()) for p in _init()] for _ in range(2)]
+    opts = [ampfused.FusedMuon(_groups(q), lr=LR, max_grad_norm=0.5) for q in ps]
+    compiled = torch.compile(opts[0].step)
+    for k in range(2):
+        for q in ps:
+            for p, g in zip(q, _grads(k)):
+                p.grad = g.clone()
+        compiled()
+        opts[1].step()
+    for i, (a, b) in enumerate(zip(*ps)):
+        assert_bitwise(f"param[{i}]", a.detach(), b.detach())
