@@ -7,7 +7,7 @@
   and a clip by the norm over every group (torch: ``unscale_`` of both optimizers, ``clip_grad_norm_`` over all
   parameters); ``adjust_lr_fn`` both ways; Nesterov off.
 * A skipped step changes nothing in any group; state precision: the remainders' run is the fp32-master run's bits,
-  stochastic rounding and bf16 / 8-bit momentum stay close to it.
+  stochastic rounding and bf16 / 8-bit momentum within two bf16 ulps of its largest weight.
 * torch.optim.Muon's arguments, defaults, messages and refusals; expert stacks behind ``expert_stacks=True``;
   state dicts both ways with torch.optim.Muon.
 """
@@ -141,11 +141,14 @@ def test_state_precision_modes():
     for i, (a, b) in enumerate(zip(rem, base)):
         assert_bitwise(f"param[{i}] with remainders", a, b)
     assert all(opt.state[p]["master_remainder"].dtype == torch.int16 for p in rem)
+    # the approximate modes: within two bf16 ulps of the largest weight of the fp32-master run after three steps
+    # (measured: one ulp in each mode)
+    two_ulps = 2 * 2.0 ** (math.floor(math.log2(max(b.float().abs().max().item() for b in base))) - 7)
     for options in (dict(bf16_stochastic_round=True), dict(momentum_dtype=bf16), dict(momentum_dtype=torch.uint8)):
         got, opt = _fused_run(3, dtype=bf16, options=options)
         for i, (a, b) in enumerate(zip(got, base)):
             err = (a.float() - b.float()).abs().max().item()
-            assert err <= 0.02 * b.float().abs().max().item(), (options, i, err)
+            assert err <= two_ulps, (options, i, err, two_ulps)
         if "momentum_dtype" in options:
             assert opt.state[got[0]]["momentum_buffer"].dtype == options["momentum_dtype"]
 

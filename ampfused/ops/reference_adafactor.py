@@ -9,7 +9,7 @@ places them in one flat fp32 buffer, ``factors``.
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional
 
 import torch
 from torch import Tensor

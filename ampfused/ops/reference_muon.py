@@ -37,6 +37,28 @@ DOC = """Fused ``torch.optim.Muon`` step over parameters where they live (math:
     """
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_hyper(momentum, weight_decay, adjust_lr_fn, ns_steps, eps, where: str = "") -> None:
+    """torch.optim.Muon's rules of the hyperparameters the step reads (its messages; NaN and inf refused too), and
+    those of the iteration torch checks only when it steps: the op's (:func:`check_rules`) and the optimizer's
+    (``where`` names the group)."""
+    if not _number(momentum) or not 0.0 <= momentum:
+        raise ValueError(f"momentum should be >= 0 but is: {momentum}{where}")
+    if not _number(weight_decay) or not 0.0 <= weight_decay:
+        raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}{where}")
+    if adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 0:
+        raise ValueError(f"ns_steps must be a non-negative int, got {ns_steps!r}{where}")
+    if ns_steps >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    if not _number(eps) or not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}{where}")
+
+
 def check_rules(params, hyper: dict) -> None:
     """``muon_step_``'s own input rules (torch.optim.Muon's, with its messages), after the rules every step
     shares."""
@@ -45,19 +67,7 @@ def check_rules(params, hyper: dict) -> None:
             raise RuntimeError("Muon does not support complex parameters")
         if p.dim() < 2:
             raise ValueError(f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()}")
-    if not 0.0 <= hyper["momentum"]:
-        raise ValueError(f"momentum should be >= 0 but is: {hyper['momentum']}")
-    if not 0.0 <= hyper["weight_decay"]:
-        raise ValueError(f"weight decay should be >= 0 but is: {hyper['weight_decay']}")
-    if hyper["adjust_lr_fn"] not in ADJUST_LR_FNS:
-        raise ValueError(f"Adjust learning rate function {hyper['adjust_lr_fn']} is not supported")
-    steps = hyper["ns_steps"]
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"ns_steps must be a non-negative int, got {steps!r}")
-    if steps >= 100:
-        raise ValueError("Number of steps must be less than 100 for computational efficiency")
-    if not 0.0 <= hyper["eps"]:
-        raise ValueError(f"eps should be >= 0 but is: {hyper['eps']}")
+    check_hyper(hyper["momentum"], hyper["weight_decay"], hyper["adjust_lr_fn"], hyper["ns_steps"], hyper["eps"])
 
 
 def lr_ratio(shape: Sequence[int], adjust_lr_fn: Optional[str]) -> float:

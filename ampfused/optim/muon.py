@@ -27,21 +27,10 @@ def _check_muon(lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_s
             raise ValueError("Tensor lr must be 1-element")
     elif not P._is_number(lr) or not 0.0 <= lr:
         raise ValueError(f"Learning rate should be >= 0 but is: {lr}{where}")
-    if not P._is_number(momentum) or not 0.0 <= momentum or not P._finite(momentum):
-        raise ValueError(f"momentum should be >= 0 but is: {momentum}{where}")
-    if not P._is_number(weight_decay) or not 0.0 <= weight_decay or not P._finite(weight_decay):
-        raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}{where}")
-    if adjust_lr_fn is not None and adjust_lr_fn not in ("original", "match_rms_adamw"):
-        raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
     if not isinstance(ns_coefficients, (tuple, list)) or len(ns_coefficients) != 3 \
             or not all(P._is_number(v) and P._finite(v) for v in ns_coefficients):
         raise ValueError(f"Coefficients must be a tuple of exactly 3 values, got {ns_coefficients!r}{where}")
-    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 0:
-        raise ValueError(f"ns_steps must be a non-negative int, got {ns_steps!r}{where}")
-    if ns_steps >= 100:
-        raise ValueError("Number of steps must be less than 100 for computational efficiency")
-    if not P._is_number(eps) or not 0.0 <= eps or not P._finite(eps):
-        raise ValueError(f"Invalid epsilon value: {eps}{where}")
+    M.check_hyper(momentum, weight_decay, adjust_lr_fn, ns_steps, eps, where)
     if not isinstance(nesterov, bool):
         raise ValueError(f"nesterov must be a bool, got {nesterov!r}{where}")
 
