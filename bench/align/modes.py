@@ -31,7 +31,13 @@ to the same bar: Lion (one moment, 4 B in fp32) with remainders, bf16 or 8-bit m
 and 3x the weight decay (Lion's update has a unit norm per element); Adafactor (factored second moment: a row and
 a column vector per matrix, no per-element state) with remainders or no master, its relative step size ``lr``
 1e-2 on the run's schedule. Lion's peers: optimi's ``Lion`` on the bf16 weights (2 B), with its Kahan
-compensation (4 B), and bitsandbytes' ``Lion8bit`` (1.02 B: every tensor's moment in 8 bits). Results go to ``<out>/align-modes-<optimizer>-<device>.{csv,txt}``.
+compensation (4 B), and bitsandbytes' ``Lion8bit`` (1.02 B: every tensor's moment in 8 bits).
+
+``--optimizer muon`` holds ``ampfused.FusedMuon`` against torch's recipe (``torch-muon``: fp32 master copies,
+``clip_grad_norm_``, ``torch.optim.Muon`` on the blocks' matrices and ``torch.optim.AdamW`` on the embeddings, head,
+biases and LayerNorms; Muon's lr matched to AdamW's RMS, ``adjust_lr_fn="match_rms_adamw"``): its fp32-master run
+and every mode of its master and its momentum (bf16 or 8-bit, which AdamW's groups take too), to the same bar.
+Results go to ``<out>/align-modes-<optimizer>-<device>.{csv,txt}``.
 """
 from __future__ import annotations
 
@@ -87,6 +93,23 @@ CONTROLS = {
     "adamw": ("ampfused+sr", "ampfused+sr~seed1", dict(bf16_stochastic_round=True, seed=1), 8),
     "lion": ("ampfused-lion+sr", "ampfused-lion+sr~seed1", dict(bf16_stochastic_round=True, seed=1), 4),
     "adafactor": ("ampfused-adafactor+sr", "ampfused-adafactor+sr~seed1", dict(bf16_stochastic_round=True, seed=1), 0),
+    "muon": ("ampfused-muon+sr", "ampfused-muon+sr~seed1", dict(bf16_stochastic_round=True, seed=1), 4),
+}
+# Muon (momentum fp32, 4 B, and an fp32 master, 4 B, per element of its matrices): every mode of its one moment and
+# its master, against torch's recipe (torch.optim.Muon on the blocks' matrices, torch.optim.AdamW on the rest, on fp32
+# master copies, clip_grad_norm_ over both); the state bytes are those of a Muon matrix's element
+_MUON_BF16 = dict(momentum_dtype=torch.bfloat16)
+_MUON_Q8 = dict(momentum_dtype=torch.uint8)
+MUON_MODES = {  # run -> (FusedMuon options, state bytes per bf16 element of a Muon matrix)
+    "ampfused-muon": (dict(), 8),
+    "ampfused-muon+rem": (dict(store_param_remainders=True), 6),
+    "ampfused-muon+bf16m": (dict(_MUON_BF16), 6),
+    "ampfused-muon+q8m": (dict(_MUON_Q8), 5.02),
+    "ampfused-muon+rem+bf16m": (dict(store_param_remainders=True, **_MUON_BF16), 4),
+    "ampfused-muon+rem+q8m": (dict(store_param_remainders=True, **_MUON_Q8), 3.02),
+    "ampfused-muon+sr": (dict(bf16_stochastic_round=True), 4),
+    "ampfused-muon+sr+bf16m": (dict(bf16_stochastic_round=True, **_MUON_BF16), 2),
+    "ampfused-muon+sr+q8m": (dict(bf16_stochastic_round=True, **_MUON_Q8), 1.02),
 }
 ADAFACTOR_LR = 1e-2  # torch.optim.Adafactor's default relative step size, at the schedule's peak
 LION_PEERS = {  # run -> (module, class, options, state bytes per bf16 parameter): optimi's Lion on bf16 weights,
@@ -113,14 +136,75 @@ def _adafactor(groups, cfg: M.Config, options: dict):
     return ampfused.FusedAdafactor(groups, lr=ADAFACTOR_LR, max_grad_norm=cfg.max_norm, **options)
 
 
+def muon_groups(named, weight_decay: float) -> list:
+    """Muon for the blocks' matrices; AdamW (``use_muon=False``) for the embeddings and the head (decayed) and the
+    biases and LayerNorms (not), as Muon's authors split a GPT."""
+    hidden = [p for n, p in named if p.dim() == 2 and n.startswith("blocks.")]
+    outer = [p for n, p in named if p.dim() >= 2 and not n.startswith("blocks.")]
+    rest = [p for n, p in named if p.dim() < 2]
+    return [dict(params=hidden, weight_decay=weight_decay), dict(params=outer, weight_decay=weight_decay,
+                                                                 use_muon=False),
+            dict(params=rest, weight_decay=0.0, use_muon=False)]
+
+
+# Muon's lr: AdamW's, the update's RMS matched to AdamW's (torch's adjust_lr_fn="match_rms_adamw")
+MUON_KW = dict(momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
+
+
+def _muon(groups, cfg: M.Config, options: dict):
+    for g in groups:
+        if g.get("use_muon", True) is False:
+            g.update(betas=cfg.betas, eps=cfg.eps)
+    return ampfused.FusedMuon(groups, lr=cfg.lr, max_grad_norm=cfg.max_norm, **MUON_KW, **options)
+
+
+class _TorchMuon(T.Optimizing):
+    """torch's recipe for Muon: fp32 master copies of the bf16 model, ``clip_grad_norm_`` over every master
+    gradient, ``torch.optim.Muon`` on the blocks' matrices and ``torch.optim.AdamW(fused=True)`` on the rest, then
+    the masters copied back."""
+
+    def __init__(self, model, cfg: M.Config):
+        self.model, self.cfg, self.scaler = model, cfg, None
+        self.params = list(model.parameters())
+        self.masters = [p.detach().float().requires_grad_() for p in self.params]
+        named = list(zip((n for n, _ in model.named_parameters()), self.masters))
+        groups = muon_groups(named, cfg.weight_decay)
+        self.opts = [torch.optim.Muon([dict(params=groups[0]["params"], weight_decay=cfg.weight_decay)], lr=cfg.lr,
+                                      **MUON_KW),
+                     torch.optim.AdamW([{k: v for k, v in g.items() if k != "use_muon"} for g in groups[1:]],
+                                       lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)]
+
+    def set_lr(self, lr: float) -> None:
+        for opt in self.opts:
+            for g in opt.param_groups:
+                g["lr"] = lr
+
+    def step(self) -> float:
+        for m, p in zip(self.masters, self.params):
+            m.grad = p.grad.float()
+            p.grad = None
+        norm = torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.max_norm)
+        for opt in self.opts:
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+        return float(norm)
+
+    def master_list(self):
+        return self.masters
+
+
 # --optimizer -> (the optimizer built from a run's config, its lr relative to the schedule's, reference run, modes,
 # peers)
 OPTIMIZERS = {
     "adamw": (_adamw, 1.0, "ampfused", MODES, None),  # (PEERS, below)
     "lion": (_lion, 1 / 3, "ampfused-lion", LION_MODES, LION_PEERS),
     "adafactor": (_adafactor, None, "ampfused-adafactor", ADAFACTOR_MODES, {}),
+    "muon": (_muon, 1.0, "torch-muon", MUON_MODES, {}),
 }
-REFERENCE_BYTES = {"ampfused": 12, "ampfused-lion": 8, "ampfused-adafactor": 4}
+REFERENCE_BYTES = {"ampfused": 12, "ampfused-lion": 8, "ampfused-adafactor": 4, "torch-muon": 8}
 
 
 class _Mode(T.Optimizing):
@@ -132,7 +216,8 @@ class _Mode(T.Optimizing):
         build, self.lr_factor, _, _, _ = OPTIMIZERS[optimizer]
         # (Adafactor: its relative step size follows the schedule's shape from its own peak)
         self.lr_factor = self.lr_factor or ADAFACTOR_LR / cfg.lr
-        self.opt = build(M.param_groups(list(model.named_parameters()), cfg.weight_decay), cfg, dict(options))
+        split = muon_groups if optimizer == "muon" else M.param_groups
+        self.opt = build(split(list(model.named_parameters()), cfg.weight_decay), cfg, dict(options))
 
     def set_lr(self, lr: float) -> None:
         for g in self.opt.param_groups:
@@ -191,6 +276,8 @@ def register(peers: bool = True, device_type: str = "cpu", optimizer: str = "ada
                 **{control: (options, nbytes)})
     for name, (options, _) in runs.items():
         T.EXTRA[name] = (torch.bfloat16, lambda model, cfg, device, o=options: _Mode(model, cfg, o, optimizer))
+    if reference == "torch-muon":
+        T.EXTRA[reference] = (torch.bfloat16, lambda model, cfg, device: _TorchMuon(model, cfg))
     for name, (module, cls_name, options, _) in (PEERS if peer_runs is None else peer_runs).items():
         if not peers:
             absent[name] = "not asked for (--no-peers)"
@@ -209,7 +296,7 @@ def register(peers: bool = True, device_type: str = "cpu", optimizer: str = "ada
 
 
 def state_bytes(name: str) -> float:
-    for modes in (MODES, LION_MODES, ADAFACTOR_MODES):
+    for modes in (MODES, LION_MODES, ADAFACTOR_MODES, MUON_MODES):
         if name in modes:
             return modes[name][1]
     for _, control, _, nbytes in CONTROLS.values():
@@ -247,7 +334,8 @@ def judge(figs: Dict[str, dict], modes: dict = MODES) -> List[str]:
     return lines
 
 
-def execute(cfg: M.Config, device: torch.device, peers: bool = True, log=print, optimizer: str = "adamw") -> tuple:
+def execute(cfg: M.Config, device: torch.device, peers: bool = True, log=print, optimizer: str = "adamw",
+            bf16_compute: torch.dtype = torch.bfloat16) -> tuple:
     """Train the fp32-master run, every mode and every installed peer; returns (runs, figures, text lines)."""
     absent = register(peers, device.type, optimizer)
     _, _, reference, modes, peer_runs = OPTIMIZERS[optimizer]
@@ -260,14 +348,17 @@ def execute(cfg: M.Config, device: torch.device, peers: bool = True, log=print, 
     runs = {}
     t0 = time.perf_counter()
     for name in names:
-        runs[name] = r = T.train(name, cfg, data, offsets, state, device, torch.bfloat16)
+        runs[name] = r = T.train(name, cfg, data, offsets, state, device, torch.bfloat16, bf16_compute=bf16_compute)
         log(f"  {name:>20}: {r.seconds:6.1f} s, loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}")
     figs = {n: window_figures(r, runs[reference], cfg) for n, r in runs.items() if n != reference}
     flag = "" if optimizer == "adamw" else f" --optimizer {optimizer}"
     lines = [f"python -m bench.align --modes{flag}: {len(runs)} runs of {cfg.steps} steps, "
              f"{M.n_params(cfg) / 1e6:.2f}M parameters ({cfg.layers} layers, width {cfg.width}, context {cfg.context}, "
-             f"batch {cfg.batch}); text: {corpus}; wall time {time.perf_counter() - t0:.0f} s",
-             f"relative difference of {cfg.window}-step window means from the fp32-master run ({reference}), windows "
+             f"batch {cfg.batch}); text: {corpus}; wall time {time.perf_counter() - t0:.0f} s"
+             + ("" if bf16_compute == torch.bfloat16 else "; bf16 weights and gradients, the model's arithmetic in "
+                "fp32 (--bf16-compute fp32)") + f"; seed {cfg.seed}",
+             f"relative difference of {cfg.window}-step window means from "
+             f"{'torch' + chr(39) + 's recipe' if reference.startswith('torch') else 'the fp32-master run'} ({reference}), windows "
              f"after the {cfg.warmup_steps}-step warm-up", "",
              "| run | state B/param | window max | window mean | last window | final loss |",
              "| --- | --- | --- | --- | --- | --- |"]
@@ -299,7 +390,8 @@ def main(args, device: torch.device, stem: Optional[str], out: str) -> int:
     cfg = M.Config(steps=args.steps, layers=args.layers, width=args.width, heads=args.heads, context=args.context,
                    batch=args.batch, lr=args.lr, warmup=args.warmup, window=args.window, seed=args.seed)
     runs, figs, lines = execute(cfg, device, peers=not args.no_peers, log=lambda s: print(s, flush=True),
-                                optimizer=args.optimizer)
+                                optimizer=args.optimizer,
+                                bf16_compute={"bf16": torch.bfloat16, "fp32": torch.float32}[args.bf16_compute])
     text = "\n".join(lines)
     print(text)
     base = os.path.join(out, stem)

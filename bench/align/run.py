@@ -88,8 +88,12 @@ def parser() -> argparse.ArgumentParser:
                    help="instead of the seven runs: ampfused's compact state modes (and the installed peers' "
                         "low-precision AdamW) against its fp32-master run (bench/align/modes.py); writes "
                         "<out>/align-modes-<device>.{csv,txt}")
+    p.add_argument("--bf16-compute", choices=["bf16", "fp32"], default="bf16",
+                   help="with --modes: the bf16 model's arithmetic (fp32 where the CPU's bf16 matrix products are slow: "
+                        "without AVX-512 BF16 they ran 27x slower than fp32 ones here); weights and gradients stay "
+                        "bf16, and the optimizers' own arithmetic is theirs either way")
     p.add_argument("--no-peers", action="store_true", help="with --modes: leave the other libraries out")
-    p.add_argument("--optimizer", choices=["adamw", "lion", "adafactor"], default="adamw",
+    p.add_argument("--optimizer", choices=["adamw", "lion", "adafactor", "muon"], default="adamw",
                    help="with --modes: the optimizer whose modes run against its own fp32-master run (default adamw; "
                         "writes <out>/align-modes-<optimizer>-<device>.{csv,txt} for the others)")
     return p

@@ -166,10 +166,13 @@ def fp16_compute_dtype(device: torch.device, choice: str = "auto") -> torch.dtyp
 
 
 def train(name: str, cfg: M.Config, data: Tensor, offsets: Tensor, state: dict, device: torch.device,
-          fp16_compute: torch.dtype, progress: Optional[Callable[[str, int], None]] = None) -> Run:
-    """``cfg.steps`` optimizer steps of run ``name`` on the shared data order from the shared initial weights."""
+          fp16_compute: torch.dtype, progress: Optional[Callable[[str, int], None]] = None,
+          bf16_compute: torch.dtype = torch.bfloat16) -> Run:
+    """``cfg.steps`` optimizer steps of run ``name`` on the shared data order from the shared initial weights (an
+    fp16 model's arithmetic in ``fp16_compute``, a bf16 model's in ``bf16_compute``)."""
     dtype = EXTRA[name][0] if name in EXTRA else DTYPE[name]
-    model = M.build(cfg, state, dtype, fp16_compute if dtype == torch.float16 else dtype, device)
+    compute = {torch.float16: fp16_compute, torch.bfloat16: bf16_compute}.get(dtype, dtype)
+    model = M.build(cfg, state, dtype, compute, device)
     trainer = _trainer(name, model, cfg, device)
     scaler = getattr(trainer, "scaler", None)
     run = Run(name)
