@@ -153,6 +153,47 @@ def test_state_precision_modes():
             assert opt.state[got[0]]["momentum_buffer"].dtype == options["momentum_dtype"]
 
 
+class _Phased(ampfused.FusedMuon):
+    """FusedMuon stepping its Muon groups in the two phases of FSDP2's path, the iteration between them here."""
+
+    def _step_op(self, seg, params, grads, group, *args):
+        if ampfused.optim.muon.uses_muon(group):
+            return self._sharded_step(seg, params, grads, group, *args)
+        return super()._step_op(seg, params, grads, group, *args)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "fp16", "rem", "sr", "bf16m", "q8m"])
+def test_the_two_phases_around_the_iteration_are_the_whole_step(mode, monkeypatch):
+    """``muon_step_shard_``'s phase 1, the iteration over the scratch, phase 2: the whole step's bits, in every
+    state mode, a clip and a skipped step included (what FSDP2's path runs on each rank's pieces)."""
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(mode, torch.bfloat16)
+    options = {"rem": dict(store_param_remainders=True), "sr": dict(bf16_stochastic_round=True),
+               "bf16m": dict(momentum_dtype=torch.bfloat16), "q8m": dict(momentum_dtype=torch.uint8)}.get(mode, {})
+    runs = []
+    for cls in (ampfused.FusedMuon, _Phased):
+        monkeypatch.setattr(ampfused, "FusedMuon", cls)
+        ps, opt = _fused_run(3, max_norm=0.05, scaled=True, dtype=dtype, options=options,
+                             adjust_lr_fn="match_rms_adamw")
+        for p, g in zip(ps, _grads(9, dtype)):
+            p.grad = g
+        ps[0].grad[0, 0] = float("nan")  # a skipped step
+        opt.step()
+        runs.append([p.detach().clone() for p in ps] + [t.clone() for s in opt._segs.segments
+                                                          for t in (s.master, s.scales, s.steps, *s.states.values())
+                                                          if t is not None])
+        monkeypatch.undo()
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert_bitwise(f"[{i}]", a, b)
+
+
+def test_owners_balance_the_iteration_cost():
+    from ampfused.optim._muon_shards import owners, rows_of
+    assert owners([8, 1, 1, 1, 1, 4, 4], 2) == [0, 0, 1, 0, 1, 1, 1]  # the costliest first: loads 10 and 10
+    assert owners([5, 5, 5], 3) == [0, 1, 2] and owners([], 4) == []
+    assert [rows_of(5, 3, r) for r in range(3)] == [(0, 2), (2, 2), (4, 1)]  # torch.chunk's pieces
+    assert [rows_of(2, 3, r) for r in range(3)] == [(0, 1), (1, 1), (2, 0)]
+
+
 def test_expert_stacks_are_taken_when_asked_each_matrix_on_its_own():
     g = torch.Generator().manual_seed(3)
     stack = torch.randn(3, 8, 16, generator=g)

@@ -11,3 +11,6 @@ __all__ += ["ShardedFusedLion"]
 
 from .adafactor import ShardedFusedAdafactor  # noqa: E402
 __all__ += ["ShardedFusedAdafactor"]
+
+from .optimizers import ShardedFusedMuon  # noqa: E402
+__all__ += ["ShardedFusedMuon"]

@@ -105,5 +105,5 @@ class StepCall:
         out += [t for t in (self.master, *(t for _, t in self.used_states()), self.steps, self.out_stats,
                             self.state_scales) if t is not None]
         if self.shard is not None:
-            out.append(self.shard[1].sums)
+            out += self.shard[1].written
         return out

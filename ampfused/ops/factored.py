@@ -134,6 +134,11 @@ class ShardSums:
                           offs.get((i, "rowg"), 0), offs.get((i, "colg"), 0)]
         self.sums = torch.zeros(max(1, at), dtype=torch.float64, device=device)
 
+    @property
+    def written(self) -> List[torch.Tensor]:
+        """What a phase writes besides the step's tensors (``StepCall.tensors_written``)."""
+        return [self.sums]
+
     def row(self, i: int) -> List[int]:
         """Parameter ``i``'s ``SH_COLS`` ints."""
         return self.info[i * SH_COLS:(i + 1) * SH_COLS]

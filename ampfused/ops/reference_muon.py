@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from .reference import _tensors_to_update, lerp
-from .reference_common import _commit, _Compact, _prologue, memory_view
+from .reference_common import _commit, _Compact, _prologue, memory_view, state_layout
+
 
 NS_A, NS_B, NS_C = 3.4445, -4.7750, 2.0315  # torch.optim.Muon's (Keller Jordan's) coefficients
 NS_A_B_C = (NS_A, NS_B, NS_C)
@@ -81,6 +82,41 @@ def lr_ratio(shape: Sequence[int], adjust_lr_fn: Optional[str]) -> float:
     return 1.0
 
 
+def ns_dtype(compute: torch.dtype) -> torch.dtype:
+    """The iteration's dtype for a step computing in ``compute``: bf16 as torch runs it (fp64 for the oracle)."""
+    return torch.float64 if compute == torch.float64 else torch.bfloat16
+
+
+class MuonScratch:
+    """What passes between Muon's two elementwise passes when the iteration runs elsewhere (FSDP2's shards: whole
+    matrices gathered to the rank that orthogonalizes them): a flat ``buffer`` in the iteration's dtype, laid out
+    as the state (``state_layout`` of the shards), into which phase 1 writes each parameter's iteration input and
+    in whose place its orthogonalized update is written back (in memory order) for phase 2; ``ratios`` the lr
+    factor of each parameter from its whole matrix's shape (:func:`lr_ratio`: a shard's own shape is not it).
+    A phase is ``(phase, MuonScratch)`` on the step call (``StepCall.shard``)."""
+
+    def __init__(self, shapes: Sequence[Sequence[int]], full_shapes: Sequence[Sequence[int]],
+                 adjust_lr_fn: Optional[str], dtype: torch.dtype, device, align: int):
+        self.shapes = [tuple(s) for s in shapes]
+        self.offsets, total = state_layout([math.prod(s) for s in self.shapes], align)
+        self.buffer = torch.zeros(max(1, total), dtype=dtype, device=device)
+        self.ratios = [lr_ratio(s, adjust_lr_fn) for s in full_shapes]
+        self.key = self.key_of(shapes, full_shapes, adjust_lr_fn, dtype, align)
+
+    @staticmethod
+    def key_of(shapes, full_shapes, adjust_lr_fn, dtype, align) -> tuple:
+        """What a scratch is made from: one is kept while this is the same."""
+        return (tuple(tuple(s) for s in shapes), tuple(tuple(s) for s in full_shapes), adjust_lr_fn, dtype, align)
+
+    def piece(self, i: int) -> Tensor:
+        """Parameter ``i``'s slice of the buffer (its elements in memory order)."""
+        return self.buffer[self.offsets[i]:self.offsets[i] + math.prod(self.shapes[i])]
+
+    @property
+    def written(self) -> List[Tensor]:
+        return [self.buffer]
+
+
 def orthogonalize(x: Tensor, a: float, b: float, c: float, steps: int, eps: float,
                   dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """torch.optim.Muon's Newton-Schulz iteration over a stack of matrices ``x`` ``[k, m, n]`` in ``dtype`` (bf16
@@ -137,7 +173,7 @@ def muon_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
         u = lerp(g, m_new, momentum) if nesterov else m_new
         t = steps[i].to(cd) + 1
         by_shape.setdefault(tuple(params[i].shape), []).append((i, pm, w_buf, sl, m_buf, m_new, u, t))
-    ns_dtype = torch.float64 if cd == torch.float64 else torch.bfloat16
+    nsd = ns_dtype(cd)
     for shape, work in by_shape.items():
         # 2. the iteration: the inputs in logical order, one batched chain of every matrix of this shape
         logical = []
@@ -145,7 +181,7 @@ def muon_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
             x = torch.empty_like(params[i], dtype=cd)
             memory_view(x).copy_(u)
             logical.append(x.reshape(-1, shape[-2], shape[-1]))
-        ortho = orthogonalize(torch.cat(logical), ns_a, ns_b, ns_c, int(ns_steps), eps, ns_dtype)
+        ortho = orthogonalize(torch.cat(logical), ns_a, ns_b, ns_c, int(ns_steps), eps, nsd)
         step = (lr64 * lr_ratio(shape, adjust_lr_fn)).to(cd)
         per = len(logical[0])
         # 3. the update, back in memory order
@@ -155,4 +191,72 @@ def muon_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
             w = cx.load_weight(pm, w_buf)
             w_new = (w * decay if decay is not None else w) - step * memory_view(o)
             _commit(skip, cx.state_pairs(m_buf, m_new, 0, t, sl) + cx.weight_pairs(pm, w_buf, w_new, t, sl))
+            steps[i] += (~skip).to(steps.dtype)
+
+
+def to_logical(piece: Tensor, like: Tensor) -> Tensor:
+    """A scratch piece (elements in ``like``'s memory order) as a tensor of ``like``'s shape."""
+    x = torch.empty_like(like, dtype=piece.dtype)
+    memory_view(x).copy_(piece)
+    return x
+
+
+def from_logical_(piece: Tensor, x: Tensor, like: Tensor) -> None:
+    """``x`` (``like``'s shape) written into its scratch piece in ``like``'s memory order."""
+    o = torch.empty_like(like, dtype=piece.dtype)
+    o.copy_(x)
+    piece.copy_(memory_view(o))
+
+
+def orthogonalize_scratch_(params: Sequence[Tensor], which: Sequence[int], shard: MuonScratch, ns_a: float,
+                           ns_b: float, ns_c: float, eps: float, ns_steps: int) -> None:
+    """Between the two phases, for parameters ``which`` whose pieces are whole matrices (or stacks of them): each
+    input in ``shard`` replaced by its orthogonalized update, one batched chain per shape of matrix."""
+    by_shape: Dict[Tuple[int, ...], list] = {}
+    for i in which:
+        by_shape.setdefault(tuple(params[i].shape[-2:]), []).append(i)
+    for (a, b), idx in by_shape.items():
+        xs = [to_logical(shard.piece(i), params[i]).reshape(-1, a, b) for i in idx]
+        ortho = orthogonalize(torch.cat(xs), ns_a, ns_b, ns_c, int(ns_steps), eps, shard.buffer.dtype)
+        at = 0
+        for i, x in zip(idx, xs):
+            from_logical_(shard.piece(i), ortho[at:at + len(x)].reshape(params[i].shape), params[i])
+            at += len(x)
+
+
+def muon_step_shard_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
+                     momentum_buffer: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
+                     out_stats: Tensor, momentum: float, nesterov: bool, weight_decay: float, ns_a: float,
+                     ns_b: float, ns_c: float, eps: float, ns_steps: int, adjust_lr_fn: Optional[str],
+                     max_norm: float, seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None, *,
+                     phase: int, shard: MuonScratch) -> None:
+    """:func:`muon_step_` in its two elementwise passes, for parameters whose iteration runs elsewhere (FSDP2's
+    shards; ``shard``: the :class:`MuonScratch` between the passes). Phase 1: the momentum (written) and each
+    parameter's iteration input ``u`` into ``shard.piece(i)`` in the iteration's dtype; between the phases the
+    caller writes the orthogonalized update of the whole matrix's elements in their place; phase 2: the decay,
+    the update with the whole matrix's lr factor (``shard.ratios``), the master and the parameter, the step count.
+    Phase 0 is :func:`muon_step_`. Phases 1 and 2 around the iteration are :func:`muon_step_`, bit for bit."""
+    if phase == 0:
+        muon_step_(params, grads, master, momentum_buffer, steps, partials, inv_scale, lr, out_stats, momentum,
+                   nesterov, weight_decay, ns_a, ns_b, ns_c, eps, ns_steps, adjust_lr_fn, max_norm, seed,
+                   state_scales)
+        return
+    cx = _Compact(params, master, [("momentum_buffer", momentum_buffer)], seed, state_scales)
+    cd = cx.cd
+    coef, skip = _prologue(partials, inv_scale, max_norm, out_stats, cd)
+    lr64 = lr.double()
+    decay = (1.0 - lr64 * weight_decay).to(cd) if weight_decay != 0 else None
+    for i, pm, gm, w_buf, sl in _tensors_to_update(params, grads, master, cx.align):
+        m_buf = momentum_buffer[sl]
+        t = steps[i].to(cd) + 1
+        if phase == 1:
+            g = gm.to(cd) * coef
+            m_new = lerp(cx.load_state(m_buf, 0, sl), g, 1 - momentum)
+            shard.piece(i).copy_(lerp(g, m_new, momentum) if nesterov else m_new)
+            _commit(skip, cx.state_pairs(m_buf, m_new, 0, t, sl))
+        else:
+            step = (lr64 * shard.ratios[i]).to(cd)
+            w = cx.load_weight(pm, w_buf)
+            w_new = (w * decay if decay is not None else w) - step * shard.piece(i).to(cd)
+            _commit(skip, cx.weight_pairs(pm, w_buf, w_new, t, sl))
             steps[i] += (~skip).to(steps.dtype)

@@ -14,4 +14,4 @@ __all__ += ["FusedAdafactor"]
 from .muon import FusedMuon  # noqa: E402
 
 __all__ += ["FusedMuon"]
-UNSHARDED = ("FusedMuon",)  # the fused optimizers without a ZeRO-1 version (ampfused.distributed) yet
+UNSHARDED = ()  # the fused optimizers without a ZeRO-1 version (ampfused.distributed)

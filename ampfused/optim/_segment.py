@@ -47,6 +47,24 @@ def is_dtensor(t) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
+def split_dim(p, who: str, doc: str) -> Optional[int]:
+    """The dimension a DTensor parameter is split along over its mesh (None: replicated on every mesh
+    dimension); refused (naming ``who`` and ``doc``) when it is split along two, or partial."""
+    dims = set()
+    for pl in p.placements:
+        if pl.is_shard():
+            dims.add(pl.dim % max(1, p.dim()))
+        elif not pl.is_replicate():
+            raise ValueError(f"{who} got a DTensor parameter (shape {tuple(p.shape)}) placed {p.placements}: "
+                             "it takes sharded or replicated parameters (FSDP2), not partial ones")
+    if len(dims) > 1:
+        raise NotImplementedError(
+            f"{who} got a DTensor parameter (shape {tuple(p.shape)}) placed {p.placements}, split along "
+            f"dimensions {sorted(dims)}: its sharded step splits each parameter along one dimension "
+            f"(FSDP2's Shard(0) by default; {doc})")
+    return dims.pop() if dims else None
+
+
 def local(t: Optional[Tensor]) -> Optional[Tensor]:
     """The tensor that holds ``t``'s values on this rank: a DTensor's local shard, else ``t`` itself."""
     return t._local_tensor if is_dtensor(t) else t

@@ -14,6 +14,7 @@ from . import _precision
 from ..ops.factored import ShardSums
 from ._factored_state import FactoredSegment, import_state_dict
 from ._base import FusedOptimizer
+from ._segment import split_dim
 from ._step_op import StepOp
 
 
@@ -55,22 +56,9 @@ def _refuse(params) -> None:
 
 
 def shard_dim(p) -> Optional[int]:
-    """The dimension a DTensor parameter is split along over its mesh (None: replicated on every mesh
-    dimension); refused when it is split along two, or partial: its factors' sums over a whole matrix are summed
-    over the ranks of the split (docs/adafactor.md)."""
-    dims = set()
-    for pl in p.placements:
-        if pl.is_shard():
-            dims.add(pl.dim % max(1, p.dim()))
-        elif not pl.is_replicate():
-            raise ValueError(f"FusedAdafactor got a DTensor parameter (shape {tuple(p.shape)}) placed {p.placements}: "
-                             "it takes sharded or replicated parameters (FSDP2), not partial ones")
-    if len(dims) > 1:
-        raise NotImplementedError(
-            f"FusedAdafactor got a DTensor parameter (shape {tuple(p.shape)}) placed {p.placements}, split along "
-            f"dimensions {sorted(dims)}: a sharded Adafactor step splits each parameter along one dimension "
-            "(FSDP2's Shard(0) by default; docs/adafactor.md)")
-    return dims.pop() if dims else None
+    """The dimension a DTensor parameter is split along (:func:`._segment.shard_dim`): its factors' sums over a
+    whole matrix are summed over the ranks of the split (docs/adafactor.md)."""
+    return split_dim(p, "FusedAdafactor", "docs/adafactor.md")
 
 
 class AdafactorMath(StepOp):

@@ -7,11 +7,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import ops
 from ..ops import reference_muon as M
+from ..ops import state_precision as sp
+from ..ops.reference import STATE_ALIGN
 from . import _params as P
 from . import _precision
 from ._base import FusedOptimizer
-from ._segment import is_dtensor
+from ._muon_shards import MuonShards
+from ._segment import is_dtensor, split_dim
 from ._step_op import StepOp
 
 # AdamW's defaults (torch.optim.AdamW's) for what a use_muon=False group does not give
@@ -40,7 +44,7 @@ def uses_muon(group: dict) -> bool:
     return bool(group.get("use_muon", True))
 
 
-def _with_adamw_defaults(group: dict) -> dict:
+def with_adamw_defaults(group: dict) -> dict:
     """A ``use_muon=False`` group with AdamW's defaults for the keys it does not give (else Muon's ``eps`` and
     ``weight_decay`` would fill them)."""
     if uses_muon(group):
@@ -92,8 +96,9 @@ class MuonMath(StepOp):
 
     def _check_shapes(self, groups, first: int = 0) -> None:
         """torch.optim.Muon's refusal of parameters that are not matrices (in a Muon group; with
-        ``expert_stacks=True``, stacks of matrices over their last two dimensions are taken), and of sharded ones
-        (FSDP2's DTensors: the iteration needs whole matrices)."""
+        ``expert_stacks=True``, stacks of matrices over their last two dimensions are taken), and of DTensors
+        (FSDP2) split other than along one dimension over one mesh dimension (their pieces are joined into whole
+        matrices over that dimension's ranks)."""
         for gi, g in enumerate(groups, start=first):
             if not uses_muon(g):
                 continue
@@ -102,16 +107,46 @@ class MuonMath(StepOp):
                 if not isinstance(p, Tensor):
                     continue
                 if is_dtensor(p):
-                    raise NotImplementedError(
-                        f"FusedMuon got a DTensor parameter (shape {tuple(p.shape)}, placed {p.placements}): its "
-                        "Newton-Schulz iteration needs whole matrices, and FusedMuon does not gather them over "
-                        "ranks yet; keep Muon's matrices out of fully_shard, or step them with another optimizer")
+                    split_dim(p, "FusedMuon", "docs/muon.md")
+                    if sum(pl.is_shard() for pl in p.placements) > 1:
+                        raise NotImplementedError(
+                            f"FusedMuon got a DTensor parameter (shape {tuple(p.shape)}) placed {p.placements}: it "
+                            "joins a matrix's pieces over the ranks of one mesh dimension (FSDP2's, or HSDP's "
+                            "shard dimension); docs/muon.md")
                 if p.is_complex():
                     raise RuntimeError("Muon does not support complex parameters")
                 if p.dim() != 2 and not (self.expert_stacks and p.dim() > 2):
                     raise ValueError(f"Muon only supports 2D parameters whereas we found a parameter with size: "
                                      f"{p.size()}" + ("" if self.expert_stacks else
                                                       " (FusedMuon(expert_stacks=True) takes stacks of matrices)"))
+
+    def _step_op(self, seg, params, grads, group, partials, inv_scale, lr, max_norm, backend: str) -> None:
+        if seg.sharded and uses_muon(group):
+            self._sharded_step(seg, params, grads, group, partials, inv_scale, lr, max_norm, backend)
+            return
+        super()._step_op(seg, params, grads, group, partials, inv_scale, lr, max_norm, backend)
+
+    def _sharded_step(self, seg, params, grads, group, partials, inv_scale, lr, max_norm, backend: str) -> None:
+        """FSDP2: the step's two elementwise passes over this rank's pieces on ``backend``, and between them the
+        iteration of whole matrices, each on the rank that owns it (``._muon_shards``: two all-to-alls over the
+        split's ranks, every step, skipped or not)."""
+        call = self._step_call(seg, group, partials, inv_scale, lr, max_norm, params=params, grads=grads)
+        ops.check_step(call)
+        h = call.hyper
+        dims = [split_dim(p, "FusedMuon", "docs/muon.md") if is_dtensor(p) else None for p in seg.params]
+        pg = self._segs.shard_groups[0] if self._segs.shard_groups else None
+        nsd = M.ns_dtype(torch.float64 if seg.dtype == torch.float64 else torch.float32)
+        align = sp.QBLOCK if seg.scales is not None else STATE_ALIGN
+        plan = getattr(seg, "muon_shards", None)
+        key = M.MuonScratch.key_of([tuple(x.shape) for x in params], [tuple(p.shape) for p in seg.params],
+                                   h["adjust_lr_fn"], nsd, align)
+        if plan is None or plan.key != (key, tuple(dims), plan.world, plan.rank):
+            plan = seg.muon_shards = MuonShards(seg.params, params, dims, pg, h["adjust_lr_fn"], nsd, align)
+        call.shard = (1, plan.scratch)
+        ops.run_step(call, backend)
+        plan.orthogonalize_(params, pg, h["ns_a"], h["ns_b"], h["ns_c"], h["eps"], h["ns_steps"])
+        call.shard = (2, plan.scratch)
+        ops.run_step(call, backend)
 
     def _state_keys_for_load(self, saved: dict, group: Optional[dict] = None):
         return self.state_names if group is None else self._state_names_for(group)
@@ -151,7 +186,7 @@ class FusedMuon(MuonMath, FusedOptimizer):
                  bf16_stochastic_round: bool = False, momentum_dtype: torch.dtype = torch.float32, seed: int = 0,
                  expert_stacks: bool = False):
         self.expert_stacks = bool(expert_stacks)
-        groups = [_with_adamw_defaults(g) for g in P.normalise_groups(params)]
+        groups = [with_adamw_defaults(g) for g in P.normalise_groups(params)]
         self._precision = _precision.make(type(self).__name__, master_weights, store_param_remainders,
                                           bf16_stochastic_round, {"momentum_dtype": momentum_dtype}, seed)
         defaults = self.muon_defaults(lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps,
@@ -161,7 +196,7 @@ class FusedMuon(MuonMath, FusedOptimizer):
                          backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
 
     def add_param_group(self, param_group: dict) -> None:
-        group = _with_adamw_defaults(P.normalise_group(param_group))
+        group = with_adamw_defaults(P.normalise_group(param_group))
         if hasattr(self, "defaults"):  # (construction checked every group already)
             self._check_shapes([group], len(self.param_groups))
         super().add_param_group(group)
