@@ -122,3 +122,15 @@ def test_cli_modes_on_every_backend_the_device_has(monkeypatch):
     args = cli.parser("bench").parse_args(["--modes"])
     names = {v.name for v in cli.extra_variants(torch.device("cuda"), args)}
     assert {f"ampfused-{b}{m.suffix}" for b in ("cuda", "triton") for m in MODES} == names
+
+
+def test_muon_pass_bytes():
+    """Muon's passes per element of a bf16 matrix: K1, the momentum pass (its bf16 output for the iteration), the
+    iteration's bf16 input and output, the update pass; each state mode at its stored width."""
+    from bench.common.bytes import muon_bytes_per_param, muon_pass_bytes
+    bf16 = torch.bfloat16
+    assert muon_pass_bytes(bf16, bf16) == {"K1": 2, "A": 12, "NS": 4, "B": 12}
+    assert muon_bytes_per_param(bf16, bf16) == 30
+    assert muon_bytes_per_param(bf16, bf16, "remainder") == 28
+    assert muon_bytes_per_param(bf16, bf16, "none", momentum_bytes=2) == 20
+    assert muon_bytes_per_param(torch.float32, torch.float32, "none") == 4 + 14 + 4 + 10

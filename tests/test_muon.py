@@ -186,6 +186,67 @@ def test_the_two_phases_around_the_iteration_are_the_whole_step(mode, monkeypatc
         assert_bitwise(f"[{i}]", a, b)
 
 
+PASS_BACKENDS = [b for b in cpu_backends() if b != "reference" and ops.registry.get_backend(b).has_step("muon_step_")]
+MODES = {"fp32": (torch.float32, {}), "bf16": (torch.bfloat16, {}), "fp16": (torch.float16, {}),
+         "rem": (torch.bfloat16, dict(store_param_remainders=True)),
+         "sr": (torch.bfloat16, dict(bf16_stochastic_round=True)),
+         "bf16m": (torch.bfloat16, dict(momentum_dtype=torch.bfloat16)),
+         "q8m": (torch.bfloat16, dict(momentum_dtype=torch.uint8))}
+
+
+def _backend_run(backend, dtype, options, steps=3):
+    ps = [torch.nn.Parameter(p) for p in _init(dtype)]
+    opt = ampfused.FusedMuon(_groups(ps, adjust_lr_fn="match_rms_adamw"), lr=LR, max_grad_norm=0.05,
+                             backend=backend, **options)
+    scaler = ampfused.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1)
+    for k in range(steps + 1):
+        scaler.scale(torch.zeros(()))
+        for p, g in zip(ps, _grads(k, dtype, scale=scaler.get_scale())):
+            p.grad = g
+        if k == 1:
+            ps[0].grad[0, 0] = float("nan")  # a skipped step
+        scaler.step(opt)
+        scaler.update()
+    return [p.detach().clone() for p in ps] + [t.clone() for s in opt._segs.segments
+                                               for t in (s.master, s.scales, s.steps, *s.states.values())
+                                               if t is not None]
+
+
+@pytest.mark.parametrize("backend", PASS_BACKENDS)
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_the_passes_of_a_backend_are_the_reference_bits(backend, mode):
+    """A backend's two elementwise passes (the iteration between them on torch's matmuls): the reference's
+    bits in every state mode, with a clip, the scaler and a skipped step; AdamW's groups beside them."""
+    dtype, options = MODES[mode]
+    want = _backend_run("reference", dtype, options)
+    for i, (a, b) in enumerate(zip(_backend_run(backend, dtype, options), want)):
+        assert_bitwise(f"[{i}]", a, b)
+
+
+@pytest.mark.parametrize("backend", PASS_BACKENDS)
+def test_the_public_op_on_a_backend_runs_both_passes(backend):
+    """``ampfused.ops.muon_step_`` on a backend with Muon's passes: the reference's bits, a parameter without a
+    gradient left alone, a 3-D stack and a transposed matrix among them."""
+    g = torch.Generator().manual_seed(5)
+    shapes = [(6, 4), (2, 5, 3), (4, 6)]
+    ws = [torch.randn(s, generator=g) for s in shapes]
+    ws[2] = ws[2].t().contiguous().t()
+    gs = [torch.randn(s, generator=g) * 0.1 for s in shapes]
+    gs[1], gs[2] = None, gs[2].t().contiguous().t()
+    out = []
+    for b in ("reference", backend):
+        mine = [w.clone() for w in ws]
+        buf = torch.randn(reference.state_layout([w.numel() for w in ws])[1], generator=torch.Generator().manual_seed(1))
+        steps, stats = torch.zeros(3), torch.zeros(2)
+        ops.muon_step_(mine, gs, None, buf, steps, reference.norm_check([x for x in gs if x is not None],
+                                                                        torch.ones(())),
+                       torch.ones(()), torch.tensor(LR), stats, weight_decay=0.1, backend=b)
+        out.append(mine + [buf, steps, stats])
+    for i, (a, b) in enumerate(zip(*out)):
+        assert_bitwise(f"[{i}]", a, b)
+    assert_bitwise("no gradient: left alone", out[1][1], ws[1])
+
+
 def test_owners_balance_the_iteration_cost():
     from ampfused.optim._muon_shards import owners, rows_of
     assert owners([8, 1, 1, 1, 1, 4, 4], 2) == [0, 0, 1, 0, 1, 1, 1]  # the costliest first: loads 10 and 10

@@ -110,7 +110,7 @@ def run_step(call: StepCall, backend: str) -> None:
     elif call.shard is not None and not _eager(call.steps):
         get_backend("reference").step(call)  # (a phase over shards has no custom op: traced, its torch operations)
     elif _eager(call.steps):
-        get_backend(backend).step(call)
+        call.run_on(get_backend(backend))
         written = call.tensors_written()
         if written:
             torch.autograd.graph.increment_version(written)

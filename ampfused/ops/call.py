@@ -99,6 +99,24 @@ class StepCall:
         """The hyperparameters in the record's order (``None`` resolved): the Triton launchers' arguments."""
         return [self.resolved(h.name) for h in self.spec.hypers]
 
+    def run_on(self, backend) -> None:
+        """This call on ``backend`` (an object). A step whose record splits it (``OpSpec.split``: two elementwise
+        passes around a function of whole tensors) runs as phase 1, that function, phase 2, on a backend other
+        than the reference (whose function is the whole step); a call that names its phase runs that phase."""
+        split = self.spec.split
+        if split is None or self.shard is not None or backend.name == "reference":
+            backend.step(self)
+            return
+        scratch = split.scratch(self)
+        try:
+            self.shard = (1, scratch)
+            backend.step(self)
+            split.between(self, scratch)
+            self.shard = (2, scratch)
+            backend.step(self)
+        finally:
+            self.shard = None
+
     def tensors_written(self) -> List[Tensor]:
         """What the step writes (the parameters that have a gradient among them), for version counters."""
         out = [p for p, g in zip(self.params, self.grads) if g is not None] if self.params is not None else []

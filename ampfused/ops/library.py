@@ -37,7 +37,7 @@ def _kernel(spec: OpSpec):
         # before them keeps its signature
         kw = {n: a for n, a in zip(after, args[b + 1:]) if a is not None}
         if spec.is_step:
-            return get_backend(args[b]).step(StepCall.of_op(spec, args[:b], kw))
+            return StepCall.of_op(spec, args[:b], kw).run_on(get_backend(args[b]))
         return getattr(get_backend(args[b]), spec.name)(*args[:b], **kw)
 
     kernel.__name__ = kernel.__qualname__ = spec.name

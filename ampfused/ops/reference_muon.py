@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from .reference import _tensors_to_update, lerp
-from .reference_common import _commit, _Compact, _prologue, memory_view, state_layout
+from .reference_common import STATE_ALIGN, _commit, _Compact, _prologue, memory_view, state_layout
+from .state_precision import QBLOCK
 
 
 NS_A, NS_B, NS_C = 3.4445, -4.7750, 2.0315  # torch.optim.Muon's (Keller Jordan's) coefficients
@@ -115,6 +116,16 @@ class MuonScratch:
     @property
     def written(self) -> List[Tensor]:
         return [self.buffer]
+
+    def scalars(self, lr: Tensor, weight_decay: float) -> Tuple[Optional[Tensor], Tensor]:
+        """Phase 2's scalars on ``lr``'s device, formed in fp64 from the fp32 ``lr`` and rounded once to fp32 (the
+        reference's): the decay ``1 - lr * weight_decay`` (None without decay), one ``lr * ratio`` per parameter."""
+        ratios = getattr(self, "_ratios", None)
+        if ratios is None or ratios.device != lr.device:
+            ratios = self._ratios = torch.tensor(self.ratios, dtype=torch.float64, device=lr.device)
+        lr64 = lr.double()
+        decay = (1.0 - lr64 * weight_decay).float() if weight_decay != 0 else None
+        return decay, (lr64 * ratios).float()
 
 
 def orthogonalize(x: Tensor, a: float, b: float, c: float, steps: int, eps: float,
@@ -260,3 +271,25 @@ def muon_step_shard_(params: List[Tensor], grads: List[Optional[Tensor]], master
             w_new = (w * decay if decay is not None else w) - step * shard.piece(i).to(cd)
             _commit(skip, cx.weight_pairs(pm, w_buf, w_new, t, sl))
             steps[i] += (~skip).to(steps.dtype)
+
+
+class _Split:
+    """``muon_step_``'s split (``OpSpec.split``): a backend's kernels are its two elementwise passes, the iteration
+    runs between them here, over every matrix of the call (they are whole: a call over FSDP2's pieces gives its
+    phases itself, ``ampfused/optim/_muon_shards.py``)."""
+
+    @staticmethod
+    def scratch(call) -> MuonScratch:
+        params, m = call.params, call.states["momentum_buffer"]
+        shapes = [tuple(p.shape) for p in params]
+        align = QBLOCK if m.dtype == torch.uint8 else STATE_ALIGN
+        return MuonScratch(shapes, shapes, call.hyper["adjust_lr_fn"], ns_dtype(params[0].dtype), m.device, align)
+
+    @staticmethod
+    def between(call, scratch: MuonScratch) -> None:
+        h = call.hyper
+        which = [i for i, g in enumerate(call.grads) if g is not None]
+        orthogonalize_scratch_(call.params, which, scratch, h["ns_a"], h["ns_b"], h["ns_c"], h["eps"], h["ns_steps"])
+
+
+SPLIT = _Split()

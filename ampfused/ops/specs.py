@@ -63,6 +63,10 @@ class OpSpec:
     rules: Optional[Callable] = None  # a step's own input rules, ``rules(params, hyper)``, after the shared ones
     groups: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()  # hyperparameters its public function takes as one tuple
     native: bool = True  # a step the native modules have an entry for (False: its reference runs on every device)
+    # a step whose kernels are two elementwise passes around a function of whole tensors (Muon's iteration): an
+    # object with ``scratch(call)`` (the buffer between the passes) and ``between(call, scratch)``; a backend
+    # other than the reference runs phases 1 and 2 of it (StepCall.run_on); None: one launch
+    split: Optional[object] = None
 
     def __post_init__(self):
         names = [a.name for a in self.args]
@@ -189,5 +193,6 @@ SPECS: Dict[str, OpSpec] = {s.name: s for s in (
         Hyper("ns_c", "float", reference_muon.NS_C), Hyper("eps", "float", reference_muon.EPS),
         Hyper("ns_steps", "SymInt", reference_muon.NS_STEPS), Hyper("adjust_lr_fn", "str?", None), MAX_NORM),
         reference="reference_muon", rules=reference_muon.check_rules,
-        groups=(("ns_coefficients", ("ns_a", "ns_b", "ns_c")),), doc=reference_muon.DOC, native=False),
+        groups=(("ns_coefficients", ("ns_a", "ns_b", "ns_c")),), doc=reference_muon.DOC, native=False,
+        split=reference_muon.SPLIT),
 )}

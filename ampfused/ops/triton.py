@@ -278,9 +278,10 @@ class TritonBackend(Backend):
             count, dtypes = len(params), self._step_dtypes(params, grads)
         else:
             plan, count, dtypes = self._table_plan(call.table, call.steps, k.CHUNK), call.table[1], (call.dtype,) * 2
+        phase = {} if call.shard is None else dict(phase=call.shard[0], scratch=call.shard[1])
         getattr(k, spec.name)(plan, count, *dtypes, call.master, *(t for _, t in states), call.steps, call.partials,
                               call.inv_scale, call.lr, call.out_stats, self._counter(call.steps.device),
-                              *call.hyper_args(), call.seed, call.state_scales)
+                              *call.hyper_args(), call.seed, call.state_scales, **phase)
 
     def has_step(self, op: str) -> bool:
         spec = specs.SPECS.get(op)

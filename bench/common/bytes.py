@@ -170,3 +170,39 @@ def adafactor_bytes_per_param(grad_dtype: torch.dtype, param_dtype: torch.dtype,
                               factored: bool = True) -> int:
     """The sum of :func:`adafactor_pass_bytes` (fp32 master, bf16 matrices: 24; remainders 22; no master 16)."""
     return sum(adafactor_pass_bytes(grad_dtype, param_dtype, master, factored).values())
+
+
+# ---- Muon (docs/muon.md) ----------------------------------------------------------------------------------------
+# Bytes per element of a Muon matrix in each pass of the step as the Triton kernels run it (and as the native ones
+# will), from DRAM; the iteration between the passes works on the bf16 scratch with torch's matmuls (its traffic
+# grows with the matrix's size, not per element: left out):
+#   K1      the norm and inf check: read g
+#   A       momentum (phase 1): read g, read and write the momentum, write the iteration's input (bf16)
+#   NS      read the input, write the output, both bf16 (the iteration's first read and last write; its
+#           intermediate matrices are m x m, not per element)
+#   B       update (phase 2): read the output (bf16), read and write the weight, write the model copy
+MUON_PASSES = ("K1", "A", "NS", "B")
+
+
+def muon_pass_bytes(grad_dtype: torch.dtype, param_dtype: torch.dtype, master: str = "fp32",
+                    momentum_bytes: float = FP32) -> dict:
+    """``{pass: bytes per element}`` of one Muon step over a matrix (passes above; ``master`` as in
+    :func:`mode_bytes_per_param`; ``momentum_bytes`` 4, 2 or 1 + 4/256 for fp32, bf16 or 8-bit momentum)."""
+    if master not in MASTER_KINDS:
+        raise ValueError(f"master must be one of {MASTER_KINDS}, got {master!r}")
+    g = torch.empty((), dtype=grad_dtype).element_size()
+    p = torch.empty((), dtype=param_dtype).element_size()
+    if master == "fp32" and param_dtype != torch.float32:
+        w_read, w_write = FP32, FP32 + p
+    elif master == "remainder":
+        w_read, w_write = p + 2, p + 2
+    else:
+        w_read, w_write = p, p
+    return {"K1": g, "A": g + 2 * momentum_bytes + 2, "NS": 2 + 2, "B": 2 + w_read + w_write}
+
+
+def muon_bytes_per_param(grad_dtype: torch.dtype, param_dtype: torch.dtype, master: str = "fp32",
+                         momentum_bytes: float = FP32) -> float:
+    """The sum of :func:`muon_pass_bytes` (bf16 matrices: fp32 master and momentum 30; remainders 28; no master,
+    bf16 momentum 20)."""
+    return sum(muon_pass_bytes(grad_dtype, param_dtype, master, momentum_bytes).values())
