@@ -1,7 +1,9 @@
 """The step benchmark's peers (other libraries' low-precision AdamW): run as bf16 recipes run, without a loss
 scaler (so never handing bf16 gradients to GradScaler.unscale_, which torch's CUDA kernel refuses); a peer that
 differs from the reference by its design is timed with its deviation shown, a wrong one is dropped; every
-installed peer runs its check on the CPU, flashoptim excepted (its quantization needs CUDA)."""
+installed peer runs its check on the CPU, flashoptim excepted (its quantization needs CUDA). The Lion and Muon
+benchmarks' peers (bitsandbytes' Lion8bit; heavyball's MuonAdamW, held to its own math, not torch's) run end
+to end at a tiny size."""
 import csv
 import os
 import subprocess
@@ -186,7 +188,13 @@ def test_muon_benchmark_times_torch_recipe_and_fused_muon(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     with open(tmp_path / "t-muon.csv", newline="") as f:
         rows = {row["variant"]: row for row in csv.DictReader(f)}
-    assert set(rows) == {"torch-muon+adamw", "ampfused", "ampfused+bf16", "ampfused+bf16+rem"}
+    ours = {"torch-muon+adamw", "ampfused", "ampfused+bf16", "ampfused+bf16+rem"}
+    try:
+        import heavyball  # noqa: F401
+    except ImportError:
+        assert set(rows) == ours and "heavyball-muon: not installed" in r.stdout
+    else:  # (its check and row: test_muon_benchmark_times_heavyballs_muon_checked_against_its_own_math)
+        assert set(rows) == ours | {"heavyball-muon"}, r.stdout
     n, mats = int(rows["ampfused"]["params"]), int(rows["ampfused"]["matrices"])
     assert (n, mats) == (4 * 16 * 16 + 2 * 4 * 16 * 16 + 4 * 16, 6)
     # torch's: one momentum (4 B) per matrix element, two AdamW moments (8 B) per vector element
@@ -194,3 +202,58 @@ def test_muon_benchmark_times_torch_recipe_and_fused_muon(tmp_path):
     assert float(rows["torch-muon+adamw"]["state_bytes_per_param"]) == round((4 * (n - vec) + 8 * vec) / n, 3)
     assert float(rows["ampfused+bf16+rem"]["state_bytes_per_param"]) < float(rows["ampfused+bf16"][
         "state_bytes_per_param"])
+
+
+def _muon_model(width=16):
+    from bench.step import muon
+    return muon._model(muon.shapes(width, 1), torch.float32, CPU)
+
+
+def _torch_muon_as_a_peer(params, scaled):
+    """torch's Muon + AdamW on the bf16 parameters, run as the heavyball peer is: another rule than heavyball's."""
+    from bench.step import muon
+    mats = [p for p in params if p.dim() == 2]
+    vecs = [p for p in params if p.dim() != 2]
+    opts = (torch.optim.Muon(mats, lr=muon.LR, weight_decay=muon.WD), torch.optim.AdamW(vecs, lr=muon.AUX_LR))
+
+    @torch.no_grad()
+    def step():
+        if scaled:
+            torch._foreach_mul_([p.grad for p in params], 1.0 / muon.SCALE)
+        torch.nn.utils.clip_grad_norm_(params, muon.MAX_NORM)
+        for opt in opts:
+            opt.step()
+    return step
+
+
+def test_muon_benchmark_times_heavyballs_muon_checked_against_its_own_math(tmp_path, monkeypatch):
+    """heavyball's MuonAdamW (its own Newton-Schulz coefficients and Nesterov rule, not torch's) passes the check
+    against its math written out in bench/step/muon.py, which refuses torch's Muon run in its place; its row keeps
+    torch's state per parameter (fp32 momentum, fp32 AdamW moments, no master for its bf16 weights); its
+    torch.compile is off on the CPU."""
+    heavyball = pytest.importorskip("heavyball", reason="heavyball is not installed (pip install heavyball)")
+    from bench.step import muon
+    monkeypatch.setattr(heavyball.utils, "compile_mode", heavyball.utils.compile_mode)  # (restored after)
+    base = _muon_model()
+    for scaled in (True, False):
+        assert muon._check_heavyball(base, scaled) is None
+        assert heavyball.utils.compile_mode is None
+        why = muon._check_heavyball(base, scaled, make=_torch_muon_as_a_peer)
+        assert why is not None and why.startswith("tensor 0 (shape (16, 16)) is ") and "from its expectation" in why
+    r = subprocess.run([sys.executable, "-m", "bench", "--optimizer", "muon", "--device", "cpu", "--workloads",
+                        "d16x1", "--max-seconds", "0.2", "--reps", "2", "--no-progress", "--out", str(tmp_path),
+                        "--name", "t"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "MuonAdamW on the bf16 parameters, checked against its own math" in r.stdout
+    assert "torch.compile off on the CPU" in r.stdout
+    with open(tmp_path / "t-muon.csv", newline="") as f:
+        rows = {row["variant"]: row for row in csv.DictReader(f)}
+    assert float(rows["heavyball-muon"]["median_ms"]) > 0
+    assert rows["heavyball-muon"]["state_bytes_per_param"] == rows["torch-muon+adamw"]["state_bytes_per_param"]
+
+
+def test_muon_benchmark_reports_heavyball_absent(monkeypatch):
+    from bench.step import muon
+    monkeypatch.setitem(sys.modules, "heavyball", None)  # (import heavyball raises ImportError)
+    assert muon._heavyball_absent().startswith("not installed (") and "pip install heavyball" in \
+        muon._heavyball_absent()

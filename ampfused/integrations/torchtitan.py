@@ -5,9 +5,12 @@ Two configurable classes, each chosen the way torchtitan chooses its components 
 constructs its owner):
 
 * :class:`FusedOptimizersContainer` (``optimizer=FusedOptimizersContainer.Config(param_groups=[...])``): an
-  ``OptimizersContainer`` whose ``"AdamW"`` and ``"Adam"`` param groups build :class:`ampfused.FusedAdamW` /
-  :class:`ampfused.FusedAdam`. Its state dict is torchtitan's flat, FQN-keyed one with torch's keys, so a
-  checkpoint saved by torchtitan's own ``AdamW`` container resumes here and the other way round.
+  ``OptimizersContainer`` whose ``"AdamW"``, ``"Adam"`` and ``"Muon"`` param groups build
+  :class:`ampfused.FusedAdamW` / :class:`ampfused.FusedAdam` / :class:`ampfused.FusedMuon`; ``"Muon"`` groups
+  and ``"AdamW"`` groups together build one ``FusedMuon`` per model part, the AdamW groups as its
+  ``use_muon=False`` groups (so one clip and one skip cover the whole model). Its state dict is torchtitan's
+  flat, FQN-keyed one with torch's keys, so a checkpoint saved by torchtitan's own ``AdamW`` container resumes
+  here and the other way round.
 * :class:`FusedTrainer` (``FusedTrainer.Config(...)`` in place of ``Trainer.Config(...)``, or
   ``fused_config(recipe())`` over an existing recipe): hands
   ``training.max_norm`` to the optimizers' ``max_grad_norm`` and turns torchtitan's own clip pass off; the norm
@@ -33,21 +36,31 @@ import torch
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.trainer import Trainer
 
-from ..optim import FusedAdam, FusedAdamW
+from ..optim import FusedAdam, FusedAdamW, FusedMuon
 from ..optim import _params as P
+from ..optim.muon import uses_muon
 
-_FACTORIES = {"AdamW": FusedAdamW, "Adam": FusedAdam}
+_FACTORIES = {"AdamW": FusedAdamW, "Adam": FusedAdam, "Muon": FusedMuon}
 
 # what torch.optim.Adam/AdamW keep in each param group: written into saved state dicts where the fused
 # optimizers' groups lack them (so torchtitan's own container can load them); foreach/fused always from the
-# container's implementation setting (the fused optimizers accept and ignore them)
+# container's implementation setting (the fused optimizers accept and ignore them). Not for FusedMuon's Muon
+# groups: torch.optim.Muon's groups keep none of them (its AdamW groups get them, as torch's AdamW's).
 _TORCH_ONLY_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
 # what the fused optimizers keep in each group and torch's do not: a setting of this run, never a checkpoint's
 _FUSED_ONLY_KEYS = ("max_grad_norm",)
 
 
-# what torchtitan's ``fused_opt_states_bf16`` asks of torch's Adam: bfloat16 moments
+# what torchtitan's ``fused_opt_states_bf16`` asks of torch's Adam: bfloat16 moments (FusedMuon's one setting
+# stores every group's moments, its AdamW groups' too)
 _BF16_STATES = {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16}
+_BF16_STATES_BY_NAME = {"AdamW": _BF16_STATES, "Adam": _BF16_STATES, "Muon": {"momentum_dtype": torch.bfloat16}}
+
+
+def _built_names(names) -> List[str]:
+    """The optimizers a model part gets, by name: ``"Muon"`` and ``"AdamW"`` groups fold into one FusedMuon."""
+    names = sorted(set(names))
+    return ["Muon"] if "Muon" in names else names
 
 
 class FusedOptimizersContainer(OptimizersContainer):
@@ -55,9 +68,16 @@ class FusedOptimizersContainer(OptimizersContainer):
 
     Param groups are chosen by regex as in torchtitan (``ParamGroupConfig``); ``optimizer_name`` ``"AdamW"``
     or ``"Adam"`` builds :class:`ampfused.FusedAdamW` / :class:`ampfused.FusedAdam` with the group's
-    ``optimizer_kwargs``. ``implementation`` ``"fused"``, ``"foreach"`` and ``"for-loop"`` all run the fused
-    step (they only decide the ``fused``/``foreach`` values written into checkpoints, for torchtitan's own
-    container to read back); ``"fused_opt_states_bf16"`` builds them with bfloat16 moments.
+    ``optimizer_kwargs``; ``"Muon"`` builds :class:`ampfused.FusedMuon` (its ``optimizer_kwargs`` are
+    ``torch.optim.Muon``'s: ``lr``, ``weight_decay``, ``momentum``, ``nesterov``, ``ns_coefficients``, ``eps``,
+    ``ns_steps``, ``adjust_lr_fn``), and where a configuration has ``"Muon"`` and ``"AdamW"`` groups, one
+    ``FusedMuon`` per model part holds both, each ``"AdamW"`` group a ``use_muon=False`` group with its
+    ``optimizer_kwargs`` (``lr``, ``betas``, ``eps``, ``weight_decay``), in the configuration's order.
+    ``"Adam"`` groups beside ``"Muon"`` groups are refused (FusedMuon's other groups are AdamW).
+    ``implementation`` ``"fused"``, ``"foreach"`` and ``"for-loop"`` all run the fused step (they only decide
+    the ``fused``/``foreach`` values written into checkpoints, for torchtitan's own container to read back);
+    ``"fused_opt_states_bf16"`` builds them with bfloat16 moments (FusedMuon: ``momentum_dtype=torch.bfloat16``,
+    its AdamW groups' moments too).
 
     ``max_grad_norm`` clips every parameter's gradient to that total norm inside the step (set from
     ``training.max_norm`` by :class:`FusedTrainer`); the clip needs one fused optimizer per rank, so it refuses
@@ -80,16 +100,26 @@ class FusedOptimizersContainer(OptimizersContainer):
                 raise ValueError(f"FusedOptimizersContainer: param group {pg.pattern!r} asks for optimizer_name "
                                  f"{pg.optimizer_name!r}; the fused optimizers are {sorted(_FACTORIES)} (use "
                                  "torchtitan's OptimizersContainer for other optimizers)")
-        fused_kwargs: Dict[str, Any] = {"max_grad_norm": config.max_grad_norm, "backend": config.backend}
-        if config.implementation == "fused_opt_states_bf16":
-            fused_kwargs.update(_BF16_STATES)
         names = sorted({pg.optimizer_name for pg in config.param_groups})
-        if config.max_grad_norm is not None and len(model_parts) * len(names) > 1:
+        if "Muon" in names and "Adam" in names:
+            adam = next(pg.pattern for pg in config.param_groups if pg.optimizer_name == "Adam")
+            raise ValueError(f"FusedOptimizersContainer: param group {adam!r} asks for optimizer_name 'Adam' beside "
+                             "'Muon' groups; FusedMuon steps the groups that are not Muon's by AdamW (decoupled "
+                             "weight decay), so give them optimizer_name 'AdamW' (Adam with weight_decay=0 is AdamW "
+                             "with weight_decay=0)")
+        if "Muon" in names and "AdamW" in names and config.optimizer_factory_kwargs_by_name.get("AdamW"):
+            raise ValueError("FusedOptimizersContainer: optimizer_factory_kwargs_by_name['AdamW'] is given, but the "
+                             "'AdamW' groups are folded into the 'Muon' groups' FusedMuon; give its arguments under "
+                             "'Muon'")
+        built = _built_names(names)
+        fused_kwargs: Dict[str, Any] = {"max_grad_norm": config.max_grad_norm, "backend": config.backend}
+        if config.max_grad_norm is not None and len(model_parts) * len(built) > 1:
             raise ValueError(f"FusedOptimizersContainer: max_grad_norm clips by the norm of every gradient, which "
                              f"one fused optimizer per rank measures; this configuration builds "
-                             f"{len(model_parts) * len(names)} ({len(model_parts)} model part(s), optimizer names "
+                             f"{len(model_parts) * len(built)} ({len(model_parts)} model part(s), optimizer names "
                              f"{names})")
         self._fused_kwargs = fused_kwargs
+        self._bf16_states = config.implementation == "fused_opt_states_bf16"
         self._implementation = config.implementation
         super().__init__(config, model_parts=model_parts)
         # several optimizers (no clip): the norm of all their gradients, written after each step (a post-hook,
@@ -102,9 +132,29 @@ class FusedOptimizersContainer(OptimizersContainer):
         norms = torch.stack([o.last_grad_norm.to(self._norm.device) for o in self.optimizers])
         self._norm.copy_(norms.square().sum().sqrt())
 
-    # torchtitan calls these two through the instance
+    # torchtitan calls these three through the instance
     def _resolve_optimizer_factory(self, name: str):
-        return functools.partial(_FACTORIES[name], **self._fused_kwargs)
+        extra = _BF16_STATES_BY_NAME[name] if self._bf16_states else {}
+        return functools.partial(_FACTORIES[name], **self._fused_kwargs, **extra)
+
+    def _build_param_groups(self, model, param_group_configs, impl_kwargs):
+        """torchtitan's groups by optimizer name; with ``"Muon"`` and ``"AdamW"`` groups, the AdamW ones become
+        ``use_muon=False`` groups of the Muon optimizer, every group in the configuration's order."""
+        groups, patterns = super()._build_param_groups(model, param_group_configs, impl_kwargs)
+        if "Muon" not in groups or "AdamW" not in groups:
+            return groups, patterns
+        # torchtitan builds exactly one group per configuration entry (an entry matching nothing raises), appended
+        # under its name in configuration order: the k-th entry of a name is that name's k-th group
+        taken = {name: 0 for name in groups}
+        folded, folded_patterns = [], []
+        for pg in param_group_configs:
+            name = pg.optimizer_name
+            k = taken[name]
+            taken[name] += 1
+            group = groups[name][k]
+            folded.append(group if name == "Muon" else dict(group, use_muon=False))
+            folded_patterns.append(patterns[name][k])
+        return {"Muon": folded}, {"Muon": folded_patterns}
 
     @staticmethod
     def _build_impl_kwargs(config) -> Dict[str, Any]:
@@ -132,16 +182,19 @@ class FusedOptimizersContainer(OptimizersContainer):
         impl = self._implementation
         return {"foreach": impl == "foreach", "fused": impl in ("fused", "fused_opt_states_bf16"),
                 "capturable": False, "differentiable": False,
-                "decoupled_weight_decay": isinstance(optim, FusedAdamW)}
+                "decoupled_weight_decay": isinstance(optim, (FusedAdamW, FusedMuon))}  # (FusedMuon: its AdamW)
 
     def state_dict(self) -> Dict[str, Any]:
         flat = super().state_dict()
         for optim in self.optimizers:
             torch_keys = self._torch_keys(optim)
             for group in optim.param_groups:
+                muon = isinstance(optim, FusedMuon) and uses_muon(group)  # torch.optim.Muon's keys only
                 for fqn in group["param_names"]:
                     for key in _FUSED_ONLY_KEYS:
                         flat.pop(f"param_groups.{fqn}.{key}", None)
+                    if muon:
+                        continue
                     for key in _TORCH_ONLY_KEYS:
                         if key in ("foreach", "fused"):  # what torchtitan's container would run after a resume
                             flat[f"param_groups.{fqn}.{key}"] = torch_keys[key]

@@ -1,5 +1,6 @@
 """ampfused inside PyTorch Lightning, against the real package: ``configure_optimizers`` returns ``FusedAdamW``
-and the Trainer gets ``plugins=[FusedMixedPrecision(...)]`` in place of ``precision=...`` (Lightning's own
+(or ``FusedMuon``: Muon for the hidden matrices, AdamW for the head and the biases, one optimizer) and the
+Trainer gets ``plugins=[FusedMixedPrecision(...)]`` in place of ``precision=...`` (Lightning's own
 ``MixedPrecision`` refuses ``gradient_clip_val`` for optimizers that unscale in their step).
 
 Each run is checked step by step against the torch recipe fed the same gradients (DESIGN tolerance), and its
@@ -7,7 +8,8 @@ losses against the same script with ``torch.optim.AdamW`` and Lightning's own pr
 into the fused step (the operators from ``on_before_optimizer_step`` to the end of the step equal the plain
 ampfused loop's, no host read); a checkpoint resumed with ``ckpt_path=`` continues bit for bit. Lightning runs
 ``precision="16-mixed"`` on the CPU only through a plugin (``precision="16-mixed"`` itself turns into bf16 there),
-which is what these runs use.
+which is what these runs use. The FusedMuon runs are checked step by step against a hand-built FusedMuon fed the
+same gradients, bit for bit (tests/integrations/muon_shadow.py), and resume bit for bit too.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ except ImportError:
 
 import ampfused  # noqa: E402
 from ampfused.integrations.lightning import FusedMixedPrecision  # noqa: E402
+from muon_shadow import MuonShadow, muon_groups  # noqa: E402
 from oracle import assert_bitwise  # noqa: E402
 from shadow import (DEVICES, FP16_ULP, Shadow, assert_losses_match, assert_trains,  # noqa: E402
                     classification_data, kernel_calls, mlp)
@@ -37,6 +40,12 @@ from stepcount import StepCounter, host_reads  # noqa: E402
 HYPER = dict(lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1)
 GA, BATCH, STEPS = 4, 8, 50
 INF_AT = (7, 23)
+OPTIMIZERS = ["fused", "muon"]  # FusedAdamW, FusedMuon
+
+
+def _hidden(name, p):
+    """Muon's parameters in the mlp: its matrices but the output head (``4.weight``)."""
+    return p.dim() == 2 and not name.startswith("4.")
 
 
 class Model(L.LightningModule):
@@ -60,6 +69,8 @@ class Model(L.LightningModule):
     def configure_optimizers(self):
         if self.opt_kind == "fused":
             return ampfused.FusedAdamW(self.parameters(), **HYPER)
+        if self.opt_kind == "muon":
+            return ampfused.FusedMuon(muon_groups(self.net.named_parameters(), _hidden, HYPER))
         return torch.optim.AdamW(self.parameters(), **HYPER, foreach=self.opt_kind == "torch")
 
     def on_after_backward(self):
@@ -70,7 +81,9 @@ class Model(L.LightningModule):
     def on_before_optimizer_step(self, optimizer):
         k = len(self.losses)
         if self.want_shadow:
-            if self.shadow is None:
+            if self.shadow is None and self.opt_kind == "muon":
+                self.shadow = MuonShadow(_fused(optimizer), max_norm=self.trainer.gradient_clip_val)
+            elif self.shadow is None:
                 self.shadow = Shadow(self.parameters(), HYPER, max_norm=self.trainer.gradient_clip_val)
             scaler = self.trainer.precision_plugin.scaler
             self.shadow.capture(1.0 / scaler.get_scale() if scaler is not None else 1.0)
@@ -83,12 +96,18 @@ class Model(L.LightningModule):
         if self.counter is not None and k >= 1:
             self.counter.stop()
         self.losses.append(self._loss.item())
-        if self.opt_kind == "fused":
-            fused = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+        if self.opt_kind in OPTIMIZERS:
+            fused = _fused(optimizer)
             self.skipped.append(bool(fused.last_step_skipped))
-            if self.shadow is not None:
+            if isinstance(self.shadow, MuonShadow):
+                assert self.shadow.step_and_check(fused, where=f"step {k}") == self.skipped[-1], f"step {k}"
+            elif self.shadow is not None:
                 skipped = self.shadow.step_and_check(fused, fused.last_grad_norm, where=f"step {k}")
                 assert self.skipped[-1] == skipped, f"step {k}"
+
+
+def _fused(optimizer):
+    return optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer  # (Lightning's wrapper)
 
 
 def _loader(steps=STEPS):
@@ -130,6 +149,23 @@ def test_bf16_mixed_clip_accumulate_match_the_torch_recipe_step_by_step(device):
     assert_trains(model.losses, "lightning bf16-mixed")
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_muon_steps_are_a_hand_built_fused_muons_bit_for_bit(device, precision):
+    """FusedMuon (Muon for the hidden matrices, AdamW for the head and the biases, one optimizer) through the
+    plugin: gradient_clip_val=0.3 folded into its step (active on most steps: the norms run 0.3 to 1), 4
+    micro-batches, infs on two steps (16-mixed: the gradients unscaled by the scaler's scale); each step the bits
+    of a FusedMuon fed the same gradients with max_grad_norm=0.3 (weights, state, clip norm), skipped exactly on
+    the inf steps in every group; the loss falls."""
+    plugin = _fp16(device) if precision == "16-mixed" else FusedMixedPrecision("bf16-mixed", device)
+    model = _fit(Model("muon", inject=INF_AT, shadow=True), _trainer(device, plugins=[plugin],
+                                                                    gradient_clip_val=0.3))
+    assert model.skipped == [k in INF_AT for k in range(STEPS)]
+    assert model.shadow.steps == STEPS - len(INF_AT) and model.shadow.skips == len(INF_AT)
+    assert sum(0.3 < n < float("inf") for n in model.shadow.norms) > STEPS // 2  # the clip was active
+    assert_trains(model.losses, f"lightning FusedMuon {precision}")
+
+
 def test_bf16_mixed_matches_the_same_script_with_torch_adamw():
     ours = _fit(Model(), _trainer(plugins=[FusedMixedPrecision("bf16-mixed", "cpu")]))
     ref = _fit(Model("torch"), _trainer(precision="bf16-mixed"))
@@ -158,11 +194,12 @@ def test_16_mixed_matches_torch_and_the_recipe(device, scaler):
     assert_losses_match(ours.losses, ref.losses, alt.losses, "lightning 16-mixed", FP16_ULP)
 
 
-def _plain_window(device, precision, steps=4):
+def _plain_window(device, precision, steps=4, opt_kind="fused"):
     """The plain ampfused loop's clip + step (with the scaler: unscale_, clip, step, update)."""
     counter = StepCounter(device)
     model = mlp().to(device)
-    opt = ampfused.FusedAdamW(model.parameters(), **HYPER)
+    opt = ampfused.FusedAdamW(model.parameters(), **HYPER) if opt_kind == "fused" else \
+        ampfused.FusedMuon(muon_groups(model.named_parameters(), _hidden, HYPER))
     scaler = ampfused.GradScaler(device, init_scale=2.0 ** 12) if precision == "16-mixed" else None
     x, y = classification_data(steps * BATCH)
     dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
@@ -188,32 +225,38 @@ def _plain_window(device, precision, steps=4):
     return counter.windows[-1]
 
 
+@pytest.mark.parametrize("opt_kind", OPTIMIZERS)
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_clip_and_step_add_nothing_to_the_plain_ampfused_loop(device, precision):
+def test_clip_and_step_add_nothing_to_the_plain_ampfused_loop(device, precision, opt_kind):
     """From on_before_optimizer_step to the end of the step, Lightning with the plugin dispatches the operators
-    of the plain loop's clip + step: one norm_check (or unscale_, with the scaler) and one adam_step_, no clip
-    pass, no host read (on CUDA: no host sync)."""
+    of the plain loop's clip + step: one norm_check (or unscale_, with the scaler) and one adam_step_ (FusedMuon:
+    one muon_step_ and one adam_step_, its AdamW group's), no clip pass, no host read (on CUDA: no host sync)."""
     counter = StepCounter(device)
     plugin = _fp16(device) if precision == "16-mixed" else FusedMixedPrecision("bf16-mixed", device)
     with counter.kernels_named():
-        _fit(Model(counter=counter), _trainer(device, plugins=[plugin], steps=4), steps=4)
-    plain = _plain_window(device, precision)
+        _fit(Model(opt_kind, counter=counter), _trainer(device, plugins=[plugin], steps=4), steps=4)
+    plain = _plain_window(device, precision, opt_kind=opt_kind)
     first = "ampfused::unscale_" if precision == "16-mixed" else "ampfused::norm_check"
+    steps = {"ampfused::adam_step_": 1} if opt_kind == "fused" else {"ampfused::muon_step_": 1,
+                                                                      "ampfused::adam_step_": 1}
     assert len(counter.windows) == 3
     for window in counter.windows:
         assert window == plain, (window, plain)
-        assert kernel_calls(window).get(first) == 1 and kernel_calls(window).get("ampfused::adam_step_") == 1
+        calls = kernel_calls(window)
+        assert calls.get(first) == 1 and {k: calls.get(k) for k in steps} == steps, calls
         assert host_reads(window) == 0
     if device == "cuda":
         assert counter.syncs == [0] * len(counter.windows), counter.sync_messages
 
 
+@pytest.mark.parametrize("opt_kind", OPTIMIZERS)
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
-def test_checkpoint_and_ckpt_path_resume_bit_for_bit(tmp_path, param_dtype):
+def test_checkpoint_and_ckpt_path_resume_bit_for_bit(tmp_path, param_dtype, opt_kind):
     """An uninterrupted 2-epoch run saves a checkpoint after epoch 1; a fresh Trainer resumed from it with
     ckpt_path= ends bitwise where the uninterrupted run ended: parameters, optimizer state (fp32 masters of bf16
-    parameters included). 16-mixed for the fp32 parameters, so the scaler's state travels too."""
+    parameters included; FusedMuon: the momentum and its AdamW group's moments). 16-mixed for the fp32
+    parameters, so the scaler's state travels too."""
     steps_per_epoch = 6
     precision = "16-mixed" if param_dtype == torch.float32 else "bf16-mixed"
 
@@ -226,10 +269,10 @@ def test_checkpoint_and_ckpt_path_resume_bit_for_bit(tmp_path, param_dtype):
                          plugins=[plugin()], **kw)
 
     ckpt = ModelCheckpoint(dirpath=str(tmp_path), filename="{epoch}", save_top_k=-1, every_n_epochs=1)
-    a = Model(param_dtype=param_dtype, inject=(8,))
+    a = Model(opt_kind, param_dtype=param_dtype, inject=(8,))
     ta = trainer(callbacks=[ckpt])
     ta.fit(a, _loader(steps_per_epoch))
-    b = Model(param_dtype=param_dtype, inject=(2,))  # step 8 overall is step 2 of the resumed run
+    b = Model(opt_kind, param_dtype=param_dtype, inject=(2,))  # step 8 overall is step 2 of the resumed run
     tb = trainer(enable_checkpointing=False)
     tb.fit(b, _loader(steps_per_epoch), ckpt_path=os.path.join(str(tmp_path), "epoch=0.ckpt"))
     assert ta.global_step == tb.global_step == 2 * steps_per_epoch

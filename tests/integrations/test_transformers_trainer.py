@@ -8,6 +8,9 @@ losses against the same script with ``torch.optim.AdamW``; from the Trainer's cl
 (scheduler and zero_grad included) the operators are the plain ampfused loop's, with no host read;
 ``resume_from_checkpoint`` continues bit for bit (model, optimizer with its fp32 masters, scheduler), and the
 model written by ``save_model()`` reloads equal. fp16 needs a GPU in the Trainer: those runs are ``gpu`` tests.
+``FusedMuon`` (Muon for the blocks' matrices, AdamW for the embeddings, norms and biases, one optimizer) runs the
+same way, checked step by step against a hand-built FusedMuon fed the same gradients, bit for bit
+(tests/integrations/muon_shadow.py).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ pytest.importorskip("accelerate", reason="the Trainer needs accelerate (pip inst
 
 import ampfused  # noqa: E402
 from ampfused.integrations.transformers import fuse  # noqa: E402
+from muon_shadow import MuonShadow, muon_groups  # noqa: E402
 from oracle import assert_bitwise  # noqa: E402
 from shadow import DEVICES, FP16_ULP, Shadow, assert_losses_match, assert_trains, kernel_calls  # noqa: E402
 from stepcount import StepCounter, host_reads  # noqa: E402
@@ -30,6 +34,13 @@ from stepcount import StepCounter, host_reads  # noqa: E402
 HYPER = dict(lr=3e-3, betas=(0.9, 0.999), weight_decay=0.0)
 GA, BATCH, STEPS = 4, 2, 50
 INF_AT = (7, 23)
+FUSED = ["fused", "muon"]  # FusedAdamW, FusedMuon
+
+
+def _hidden(name, p):
+    """Muon's parameters in GPT-2: the blocks' matrices (attention and MLP); the embeddings (the head tied to
+    one), the LayerNorms and the biases are AdamW's."""
+    return name.startswith("transformer.h.") and p.dim() == 2
 
 
 def _gpt2(param_dtype=torch.float32):
@@ -68,7 +79,10 @@ class _Probe(transformers.TrainerCallback):
             if k in self.inject:
                 params[0].grad.view(-1)[3] = float("inf")
             if self.want_shadow:
-                if self.shadow is None:
+                fused = trainer.optimizer.optimizer
+                if self.shadow is None and isinstance(fused, ampfused.FusedMuon):
+                    self.shadow = MuonShadow(fused, max_norm=max_norm)
+                elif self.shadow is None:
                     self.shadow = Shadow(trainer.model.parameters(), HYPER, max_norm=max_norm)
                 self.shadow.capture(1.0 / acc.scaler.get_scale() if acc.scaler is not None else 1.0)
             if self.counter is not None and k >= 1:
@@ -81,10 +95,13 @@ class _Probe(transformers.TrainerCallback):
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kw):
         fused = self.trainer.optimizer.optimizer
-        if not isinstance(fused, ampfused.FusedAdamW) or self.counter is not None:  # nothing read while counting
-            return
+        if not isinstance(fused, (ampfused.FusedAdamW, ampfused.FusedMuon)) or self.counter is not None:
+            return  # (nothing read while counting)
         self.skipped.append(bool(fused.last_step_skipped))
-        if self.shadow is not None:
+        if isinstance(self.shadow, MuonShadow):
+            k = state.global_step
+            assert self.shadow.step_and_check(fused, where=f"step {k}") == self.skipped[-1], f"step {k}"
+        elif self.shadow is not None:
             k = state.global_step
             skipped = self.shadow.step_and_check(fused, self.norms[-1], where=f"step {k}",
                                                  lr=fused.param_groups[0]["lr"])
@@ -101,13 +118,16 @@ def _train(kind="fused", *, steps=STEPS, device="cpu", param_dtype=torch.float32
     model = _gpt2(param_dtype) if model is None else model
     if kind == "fused":
         opt_cls, kw = ampfused.FusedAdamW, dict(HYPER)
+    elif kind == "muon":
+        opt_cls, kw = ampfused.FusedMuon, {}
     else:
         opt_cls, kw = torch.optim.AdamW, dict(HYPER, fused=kind == "torch-fused")
     optimizers, cls_and_kwargs = (None, None), None
     if by_class:
         cls_and_kwargs = (opt_cls, kw)  # the Trainer passes only the parameter groups
     else:
-        optimizers = (opt_cls(model.parameters(), **kw), None)  # built before Trainer(...), on the CPU model
+        params = muon_groups(model.named_parameters(), _hidden, HYPER) if kind == "muon" else model.parameters()
+        optimizers = (opt_cls(params, **kw), None)  # built before Trainer(...), on the CPU model
     args = transformers.TrainingArguments(
         output_dir=out or "/tmp/ampfused-trainer-tests", max_steps=steps, per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=GA, learning_rate=HYPER["lr"], weight_decay=HYPER["weight_decay"],
@@ -118,7 +138,7 @@ def _train(kind="fused", *, steps=STEPS, device="cpu", param_dtype=torch.float32
     extra = {} if cls_and_kwargs is None else {"optimizer_cls_and_kwargs": cls_and_kwargs}
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_data(steps), optimizers=optimizers,
                                    callbacks=[probe] if probe is not None else None, **extra)
-    if kind == "fused":
+    if kind in FUSED:
         fuse(trainer, exact_skips=exact_skips, scaler=scaler)
     if probe is not None:
         probe.attach(trainer)
@@ -138,6 +158,21 @@ def test_bf16_accumulate_clip_match_the_torch_recipe_step_by_step(device):
     assert probe.shadow.steps == STEPS - len(INF_AT)
     assert_trains(losses, "Trainer bf16")
     assert next(trainer.model.parameters()).device.type == device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_muon_steps_are_a_hand_built_fused_muons_bit_for_bit(device):
+    """optimizers=(FusedMuon, None), Muon for the blocks' matrices and AdamW for the rest: the Trainer's clip
+    (max_grad_norm=1.0, active on 15 of the 50 steps) folded into the step, 4 micro-batches, its warmup
+    schedule; every step the bits of a FusedMuon fed the same gradients at the same lr with max_grad_norm=1.0
+    (weights, state, clip norm), skipped exactly on the inf steps in every group; the loss falls."""
+    probe = _Probe(inject=INF_AT, shadow=True)
+    trainer, losses = _train("muon", device=device, probe=probe)
+    assert [g.get("use_muon", True) for g in trainer.optimizer.optimizer.param_groups] == [True, False]
+    assert probe.skipped == [k in INF_AT for k in range(STEPS)]
+    assert probe.shadow.steps == STEPS - len(INF_AT) and probe.shadow.skips == len(INF_AT)
+    assert sum(1.0 < n < float("inf") for n in probe.shadow.norms) >= 10  # the clip was active
+    assert_trains(losses, "Trainer bf16 FusedMuon")
 
 
 def test_bf16_matches_the_same_script_with_torch_adamw():
@@ -167,10 +202,11 @@ def test_optimizer_cls_and_kwargs_matches_torch():
     assert_losses_match(ours, ref, alt, "Trainer optimizer_cls_and_kwargs")
 
 
-def _plain_window(device, steps=4):
+def _plain_window(device, steps=4, kind="fused"):
     """The plain ampfused loop's clip, step, scheduler step and zero_grad, on the same model."""
     model = _gpt2().to(device)
-    opt = ampfused.FusedAdamW(model.parameters(), **HYPER)
+    opt = ampfused.FusedAdamW(model.parameters(), **HYPER) if kind == "fused" else \
+        ampfused.FusedMuon(muon_groups(model.named_parameters(), _hidden, HYPER))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - k / 100)  # a new lr every step, as the Trainer's
     counter = StepCounter(device)
     data = _data(steps)
@@ -191,19 +227,22 @@ def _plain_window(device, steps=4):
     return counter.windows[-1]
 
 
+@pytest.mark.parametrize("kind", FUSED)
 @pytest.mark.parametrize("device", DEVICES)
-def test_step_adds_nothing_to_the_plain_ampfused_loop(device):
+def test_step_adds_nothing_to_the_plain_ampfused_loop(device, kind):
     """From the Trainer's clip to the end of its step (skip check, scheduler, zero_grad included): the
-    operators of the plain loop, one norm_check and one adam_step_, no host read (on CUDA: no host sync).
-    exact_skips=True adds exactly the one host read of the skip flag."""
-    plain = _plain_window(device)
+    operators of the plain loop, one norm_check and one adam_step_ (FusedMuon: one muon_step_ and one
+    adam_step_, its AdamW group's), no host read (on CUDA: no host sync). exact_skips=True adds exactly the one
+    host read of the skip flag."""
+    plain = _plain_window(device, kind=kind)
+    steps = {"ampfused::adam_step_": 1} if kind == "fused" else {"ampfused::muon_step_": 1, "ampfused::adam_step_": 1}
     for exact, reads in ((False, 0), (True, 1)):
         counter = StepCounter(device)
         with counter.kernels_named():
-            _train(steps=4, device=device, probe=_Probe(counter=counter), exact_skips=exact)
+            _train(kind, steps=4, device=device, probe=_Probe(counter=counter), exact_skips=exact)
         assert len(counter.windows) == 3
         for window in counter.windows:
-            assert kernel_calls(window) == {"ampfused::norm_check": 1, "ampfused::adam_step_": 1}
+            assert kernel_calls(window) == {"ampfused::norm_check": 1, **steps}
             assert host_reads(window) == reads, window
             if not exact:
                 assert window == plain, (window, plain)
@@ -220,14 +259,16 @@ def test_scheduler_on_skipped_steps():
     assert trainer.lr_scheduler.last_epoch == 10
 
 
+@pytest.mark.parametrize("kind", FUSED)
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
-def test_resume_from_checkpoint_bit_for_bit_and_save_model_reloads(tmp_path, param_dtype):
+def test_resume_from_checkpoint_bit_for_bit_and_save_model_reloads(tmp_path, param_dtype, kind):
     """An uninterrupted 12-step run saves checkpoint-6; a fresh model, optimizer and Trainer resumed from it
     end bitwise where the uninterrupted run ended (weights, optimizer state with the fp32 masters of bf16
-    weights, scheduler), with the same losses; save_model() writes a model that reloads equal and tied."""
+    weights, FusedMuon's momentum and its AdamW group's moments, scheduler), with the same losses; save_model()
+    writes a model that reloads equal and tied."""
     out_a, out_b = str(tmp_path / "a"), str(tmp_path / "b")
-    ta, la = _train(steps=12, param_dtype=param_dtype, out=out_a, save_steps=6, probe=_Probe(inject=(8,)))
-    tb, lb = _train(steps=12, param_dtype=param_dtype, out=out_b, resume=os.path.join(out_a, "checkpoint-6"),
+    ta, la = _train(kind, steps=12, param_dtype=param_dtype, out=out_a, save_steps=6, probe=_Probe(inject=(8,)))
+    tb, lb = _train(kind, steps=12, param_dtype=param_dtype, out=out_b, resume=os.path.join(out_a, "checkpoint-6"),
                     probe=_Probe(inject=(8,)))
     assert len(la) == 12 and la == lb  # the resumed log_history starts with the checkpoint's 6 steps
     for (n, a), b in zip(ta.model.named_parameters(), tb.model.parameters()):
