@@ -200,3 +200,24 @@ def test_first_step_after_a_device_move_is_reported(backend, capsys):
         opt.zero_grad()
     model(x).float().sum().backward()
     _never_waits(opt.step, f"a step after the move's first step ({backend})")
+
+
+@pytest.mark.parametrize("options", [{}, dict(store_param_remainders=True, momentum_dtype=torch.uint8)],
+                         ids=["fp32-master", "remainders-q8m"])
+def test_muon_step_never_waits(options):
+    """FusedMuon on CUDA (its Triton passes, the iteration on cuBLAS between them, AdamW's groups beside): the
+    steps after the first two wait for nothing."""
+    if "triton" not in _gpu_backends():
+        pytest.skip("triton not available on cuda")
+    torch.manual_seed(0)
+    mats = [torch.randn(64 + 16 * k, 48, device="cuda", dtype=torch.bfloat16, requires_grad=True) for k in range(6)]
+    vecs = [torch.randn(48, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(4)]
+    opt = ampfused.FusedMuon([dict(params=mats), dict(params=vecs, use_muon=False)], lr=0.02, max_grad_norm=1.0,
+                             **options)
+    keep = []
+    for _ in range(2):
+        _fresh_grads(mats + vecs, keep)
+        opt.step()
+    for k in range(2):
+        _fresh_grads(mats + vecs, keep)
+        _never_waits(opt.step, f"FusedMuon step {k} ({options})")

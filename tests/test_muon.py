@@ -247,6 +247,33 @@ def test_the_public_op_on_a_backend_runs_both_passes(backend):
     assert_bitwise("no gradient: left alone", out[1][1], ws[1])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_gpu_triton_passes_are_the_reference_bits(mode):
+    """On CUDA: the Triton passes (the iteration between them on cuBLAS, shared with the reference) against the
+    reference step on the same device, every state mode, with a clip and a skipped step, bit for bit."""
+    if ops.registry.reasons_for("triton", torch.device("cuda")):
+        pytest.skip("triton cannot run on this machine")
+    dtype, options = MODES[mode]
+    runs = []
+    for backend in ("reference", "triton"):
+        ps = [torch.nn.Parameter(p.cuda()) for p in _init(dtype)]
+        opt = ampfused.FusedMuon(_groups(ps, adjust_lr_fn="match_rms_adamw"), lr=LR, max_grad_norm=0.05,
+                                 backend=backend, **options)
+        for k in range(4):
+            for p, g in zip(ps, _grads(k, dtype)):
+                p.grad = g.cuda()
+            if k == 1:
+                ps[0].grad[0, 0] = float("nan")
+            opt.step()
+        runs.append([p.detach().cpu() for p in ps] + [t.cpu() for s in opt._segs.segments
+                                                       for t in (s.master, s.scales, s.steps, *s.states.values())
+                                                       if t is not None])
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert_bitwise(f"[{i}]", a, b)
+
+
 def test_owners_balance_the_iteration_cost():
     from ampfused.optim._muon_shards import owners, rows_of
     assert owners([8, 1, 1, 1, 1, 4, 4], 2) == [0, 0, 1, 0, 1, 1, 1]  # the costliest first: loads 10 and 10

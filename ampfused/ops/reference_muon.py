@@ -122,7 +122,10 @@ class MuonScratch:
         reference's): the decay ``1 - lr * weight_decay`` (None without decay), one ``lr * ratio`` per parameter."""
         ratios = getattr(self, "_ratios", None)
         if ratios is None or ratios.device != lr.device:
-            ratios = self._ratios = torch.tensor(self.ratios, dtype=torch.float64, device=lr.device)
+            host = torch.tensor(self.ratios, dtype=torch.float64)
+            if lr.device.type == "cuda":  # uploaded without a host wait (the pinned copy lives with the scratch)
+                self._host_ratios = host = host.pin_memory()
+            ratios = self._ratios = host.to(lr.device, non_blocking=True)
         lr64 = lr.double()
         decay = (1.0 - lr64 * weight_decay).float() if weight_decay != 0 else None
         return decay, (lr64 * ratios).float()
@@ -276,14 +279,30 @@ def muon_step_shard_(params: List[Tensor], grads: List[Optional[Tensor]], master
 class _Split:
     """``muon_step_``'s split (``OpSpec.split``): a backend's kernels are its two elementwise passes, the iteration
     runs between them here, over every matrix of the call (they are whole: a call over FSDP2's pieces gives its
-    phases itself, ``ampfused/optim/_muon_shards.py``)."""
+    phases itself, ``ampfused/optim/_muon_shards.py``). A call site (its ``steps`` tensor) keeps its scratch while
+    its shapes and settings are the same (a warm step allocates and uploads nothing)."""
 
-    @staticmethod
-    def scratch(call) -> MuonScratch:
+    CAPACITY = 256
+
+    def __init__(self):
+        from collections import OrderedDict
+        self._kept: "OrderedDict[tuple, MuonScratch]" = OrderedDict()
+
+    def scratch(self, call) -> MuonScratch:
         params, m = call.params, call.states["momentum_buffer"]
         shapes = [tuple(p.shape) for p in params]
         align = QBLOCK if m.dtype == torch.uint8 else STATE_ALIGN
-        return MuonScratch(shapes, shapes, call.hyper["adjust_lr_fn"], ns_dtype(params[0].dtype), m.device, align)
+        nsd = ns_dtype(params[0].dtype)
+        key = MuonScratch.key_of(shapes, shapes, call.hyper["adjust_lr_fn"], nsd, align)
+        site = (call.steps.data_ptr(), m.device, key)
+        kept = self._kept.get(site)
+        if kept is not None and kept.buffer.device == m.device:
+            self._kept.move_to_end(site)
+            return kept
+        kept = self._kept[site] = MuonScratch(shapes, shapes, call.hyper["adjust_lr_fn"], nsd, m.device, align)
+        while len(self._kept) > self.CAPACITY:
+            self._kept.popitem(last=False)
+        return kept
 
     @staticmethod
     def between(call, scratch: MuonScratch) -> None:

@@ -16,6 +16,8 @@
 #   modes      the state modes on both GPU backends at GPT-2 small and 16Mx32 (each row kept as it ends)
 #   peers      the state modes and the installed peers at 4096kx32 (run wheels first)
 #   lion       python -m bench --optimizer lion --device cuda
+#   muon       python -m bench --optimizer muon --device cuda at GPT-2 small (d768x12), and Muon's GPU tests (the
+#              Triton passes against the reference, FusedMuon under CUDA graphs' absence of host waits)
 #   ncu        Nsight Compute over one steady-state K2 of fp32, +sr+bf16m, +q8m and +sr+q8m at GPT-2 small
 # Then, here: tar xzf gpu.tgz, python -m bench.gpu.merge bench/results/<device>-<date> kernels probes suite sanitize.
 set -uo pipefail
@@ -54,6 +56,9 @@ for s in $STEPS; do
              --variants torch-fused,ampfused-cuda,ampfused-triton --keep-going --max-seconds 2 --no-plot \
              --no-progress --out "$W/bench" --name peers ;;
     lion) step lion 40 "$PY" -m bench --optimizer lion --device cuda --max-seconds 2 --no-progress --out "$W/bench" ;;
+    muon) step muon-tests 90 "$PY" -m pytest -q -rs -m gpu tests/test_muon.py
+          step muon 120 "$PY" -m bench --optimizer muon --device cuda --workloads d768x12,d256x4 --max-seconds 2 \
+            --no-progress --out "$W/bench" ;;
     ncu) for m in fp32 +sr+bf16m +q8m +sr+q8m; do
            step "ncu$m" 75 ncu --clock-control none --kernel-name regex:step_kernel --launch-skip 3 --launch-count 1 \
              --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
