@@ -384,11 +384,11 @@ setup(
                                      # needs torch >= 2.11 (through torch_checkpointing); brings its own pins
                                      # (spmd_types, datasets < 4.8, which holds huggingface_hub < 2)
                                      "torchtitan==0.3.0"],
-                    # other libraries' low-precision AdamW for `python -m bench --peers` / `python -m bench.align
-                    # --modes` (heavyball: the Muon benchmark's peer); each accepts the installed torch (torchao and
-                    # torch-optimi declare no torch pin or torch>=2.2, flashoptim torch>=2.6 and triton, bitsandbytes
-                    # torch>=2.3; its 8-bit optimizers run on the CPU too), and none is needed by the package or its
-                    # tests
+                    # other libraries' optimizers for `python -m bench --peers`, `python -m bench.align --modes`
+                    # and the orthogonalised-momentum benchmark (heavyball); each accepts the installed torch
+                    # (torchao and torch-optimi declare no torch pin or torch>=2.2, flashoptim torch>=2.6 and
+                    # triton, bitsandbytes torch>=2.3; its 8-bit optimizers run on the CPU too), and none is needed
+                    # by the package or its tests
                     "peers": ["torchao==0.18.0", "torch-optimi==0.3.3", "flashoptim==0.1.4", "bitsandbytes==0.50.2",
                               "heavyball==3.2.1"]},
 )

@@ -5,7 +5,7 @@ The model stays replicated (with or without DDP); each rank keeps the optimizer 
 parameter: the rank's piece of its first dimension, as FSDP2's ``Shard(0)`` cuts it (``torch.chunk``; a 0-d
 parameter as one element). The pieces are the local shards of DTensors over a one-dimensional mesh of the process
 group, stepped by the fused optimizer's own FSDP2 path (``inner_class``), which does what a step over whole
-parameters needs across the ranks (Adafactor sums its factors' sums, Muon joins each matrix for its iteration).
+parameters needs across the ranks (sums over whole parameters, whole matrices joined on one rank).
 One step:
 
 1. the gradients are copied into one buffer per dtype, laid out rank after rank (each rank's pieces of every
