@@ -113,7 +113,9 @@ class CpuBackend(Backend):
         mod = self._mod()
         pack = _A.packer(mod)
         flat = self._flat_slots(call, states, fmt)  # (held to the call: it keeps the partials it packed alive)
-        mod.step(call.spec.name, pack.slots(place, flat), pack.hyper(call), *place.get("rows", ()))
+        # a pass of a split step (OpSpec.split): its phase and what its scratch gives the kernels
+        phase = {} if call.shard is None else dict(phase=call.shard[0], **call.shard[1].slots(call.steps.device))
+        mod.step(call.spec.name, pack.slots(place, flat, phase), pack.hyper(call), *place.get("rows", ()))
 
     def has_step(self, op: str) -> bool:
         """Whether the module has an entry for ``op`` (False when it cannot load: ``unavailable_reason`` says why)."""

@@ -73,6 +73,20 @@ def memory_view(t: Tensor) -> Tensor:
     return t.as_strided((t.numel(),), (1,))
 
 
+def to_logical(piece: Tensor, like: Tensor) -> Tensor:
+    """A flat piece (elements in ``like``'s memory order) as a tensor of ``like``'s shape."""
+    x = torch.empty_like(like, dtype=piece.dtype)
+    memory_view(x).copy_(piece)
+    return x
+
+
+def from_logical_(piece: Tensor, x: Tensor, like: Tensor) -> None:
+    """``x`` (``like``'s shape) written into its flat piece in ``like``'s memory order."""
+    o = torch.empty_like(like, dtype=piece.dtype)
+    o.copy_(x)
+    piece.copy_(memory_view(o))
+
+
 def _compute_dtype(params: List[Tensor], master: Optional[Tensor]) -> torch.dtype:
     if master is not None:
         return master.dtype

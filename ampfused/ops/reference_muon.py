@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from .reference import _tensors_to_update, lerp
-from .reference_common import STATE_ALIGN, _commit, _Compact, _prologue, memory_view, state_layout
+from .reference_common import (STATE_ALIGN, _commit, _Compact, _prologue, from_logical_, memory_view,
+                               state_layout, to_logical)
 from .state_precision import QBLOCK
 
 
@@ -117,18 +118,31 @@ class MuonScratch:
     def written(self) -> List[Tensor]:
         return [self.buffer]
 
+    def ratios_on(self, device) -> Tensor:
+        """``ratios`` as an fp64 tensor on ``device``, made once (on CUDA uploaded from pinned memory, without a
+        host wait; the pinned copy lives with the scratch)."""
+        ratios = getattr(self, "_ratios", None)
+        if ratios is None or ratios.device != torch.device(device):
+            host = torch.tensor(self.ratios, dtype=torch.float64)
+            if torch.device(device).type == "cuda":
+                self._host_ratios = host = host.pin_memory()
+            ratios = self._ratios = host.to(device, non_blocking=True)
+        return ratios
+
+    def slots(self, device) -> dict:
+        """What the native modules' passes read (``csrc/include/ampfused/step_pack.h``): the scratch's address and
+        the fp64 ratios' (they form ``lr * ratio`` and ``1 - lr * weight_decay`` themselves, as :meth:`scalars`)."""
+        if self.buffer.dtype != torch.bfloat16 or self.buffer.device != torch.device(device):
+            raise ValueError(f"the native passes take a bf16 scratch on {device}, got {self.buffer.dtype} on "
+                             f"{self.buffer.device}")
+        return dict(scratch=self.buffer.data_ptr(), ratios=self.ratios_on(device).data_ptr())
+
     def scalars(self, lr: Tensor, weight_decay: float) -> Tuple[Optional[Tensor], Tensor]:
         """Phase 2's scalars on ``lr``'s device, formed in fp64 from the fp32 ``lr`` and rounded once to fp32 (the
         reference's): the decay ``1 - lr * weight_decay`` (None without decay), one ``lr * ratio`` per parameter."""
-        ratios = getattr(self, "_ratios", None)
-        if ratios is None or ratios.device != lr.device:
-            host = torch.tensor(self.ratios, dtype=torch.float64)
-            if lr.device.type == "cuda":  # uploaded without a host wait (the pinned copy lives with the scratch)
-                self._host_ratios = host = host.pin_memory()
-            ratios = self._ratios = host.to(lr.device, non_blocking=True)
         lr64 = lr.double()
         decay = (1.0 - lr64 * weight_decay).float() if weight_decay != 0 else None
-        return decay, (lr64 * ratios).float()
+        return decay, (lr64 * self.ratios_on(lr.device)).float()
 
 
 def orthogonalize(x: Tensor, a: float, b: float, c: float, steps: int, eps: float,
@@ -208,20 +222,6 @@ def muon_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
             steps[i] += (~skip).to(steps.dtype)
 
 
-def to_logical(piece: Tensor, like: Tensor) -> Tensor:
-    """A scratch piece (elements in ``like``'s memory order) as a tensor of ``like``'s shape."""
-    x = torch.empty_like(like, dtype=piece.dtype)
-    memory_view(x).copy_(piece)
-    return x
-
-
-def from_logical_(piece: Tensor, x: Tensor, like: Tensor) -> None:
-    """``x`` (``like``'s shape) written into its scratch piece in ``like``'s memory order."""
-    o = torch.empty_like(like, dtype=piece.dtype)
-    o.copy_(x)
-    piece.copy_(memory_view(o))
-
-
 def orthogonalize_scratch_(params: Sequence[Tensor], which: Sequence[int], shard: MuonScratch, ns_a: float,
                            ns_b: float, ns_c: float, eps: float, ns_steps: int) -> None:
     """Between the two phases, for parameters ``which`` whose pieces are whole matrices (or stacks of them): each
@@ -279,10 +279,11 @@ def muon_step_shard_(params: List[Tensor], grads: List[Optional[Tensor]], master
 class _Split:
     """``muon_step_``'s split (``OpSpec.split``): a backend's kernels are its two elementwise passes, the iteration
     runs between them here, over every matrix of the call (they are whole: a call over FSDP2's pieces gives its
-    phases itself, ``ampfused/optim/_muon_shards.py``). A call site (its ``steps`` tensor) keeps its scratch while
+    phases itself, ``ampfused/optim/_whole_shards.py``). A call site (its ``steps`` tensor) keeps its scratch while
     its shapes and settings are the same (a warm step allocates and uploads nothing)."""
 
     CAPACITY = 256
+    hypers = ("momentum", "nesterov", "weight_decay", "max_norm")  # what the passes read (not the iteration's)
 
     def __init__(self):
         from collections import OrderedDict

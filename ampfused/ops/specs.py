@@ -62,10 +62,10 @@ class OpSpec:
     reference: str = "reference"  # the module of ampfused.ops that holds its reference function (the specification)
     rules: Optional[Callable] = None  # a step's own input rules, ``rules(params, hyper)``, after the shared ones
     groups: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()  # hyperparameters its public function takes as one tuple
-    native: bool = True  # a step the native modules have an entry for (False: its reference runs on every device)
     # a step whose kernels are two elementwise passes around a function of whole tensors (Muon's iteration): an
-    # object with ``scratch(call)`` (the buffer between the passes) and ``between(call, scratch)``; a backend
-    # other than the reference runs phases 1 and 2 of it (StepCall.run_on); None: one launch
+    # object with ``scratch(call)`` (the buffer between the passes), ``between(call, scratch)`` and ``hypers`` (the
+    # hyperparameters the passes read: the native entries read only those); a backend other than the reference
+    # runs phases 1 and 2 of it (StepCall.run_on); None: one launch
     split: Optional[object] = None
 
     def __post_init__(self):
@@ -193,6 +193,6 @@ SPECS: Dict[str, OpSpec] = {s.name: s for s in (
         Hyper("ns_c", "float", reference_muon.NS_C), Hyper("eps", "float", reference_muon.EPS),
         Hyper("ns_steps", "SymInt", reference_muon.NS_STEPS), Hyper("adjust_lr_fn", "str?", None), MAX_NORM),
         reference="reference_muon", rules=reference_muon.check_rules,
-        groups=(("ns_coefficients", ("ns_a", "ns_b", "ns_c")),), doc=reference_muon.DOC, native=False,
+        groups=(("ns_coefficients", ("ns_a", "ns_b", "ns_c")),), doc=reference_muon.DOC,
         split=reference_muon.SPLIT),
 )}

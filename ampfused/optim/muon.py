@@ -2,6 +2,7 @@
 AdamW for the groups that are not matrices (``use_muon=False``), in one optimizer and one step."""
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -14,7 +15,7 @@ from ..ops.reference import STATE_ALIGN
 from . import _params as P
 from . import _precision
 from ._base import FusedOptimizer
-from ._muon_shards import MuonShards
+from ._whole_shards import WholeShards
 from ._segment import is_dtensor, split_dim
 from ._step_op import StepOp
 
@@ -128,7 +129,7 @@ class MuonMath(StepOp):
 
     def _sharded_step(self, seg, params, grads, group, partials, inv_scale, lr, max_norm, backend: str) -> None:
         """FSDP2: the step's two elementwise passes over this rank's pieces on ``backend``, and between them the
-        iteration of whole matrices, each on the rank that owns it (``._muon_shards``: two all-to-alls over the
+        iteration of whole matrices, each on the rank that owns it (``._whole_shards``: two all-to-alls over the
         split's ranks, every step, skipped or not)."""
         call = self._step_call(seg, group, partials, inv_scale, lr, max_norm, params=params, grads=grads)
         ops.check_step(call)
@@ -137,14 +138,16 @@ class MuonMath(StepOp):
         pg = self._segs.shard_groups[0] if self._segs.shard_groups else None
         nsd = M.ns_dtype(torch.float64 if seg.dtype == torch.float64 else torch.float32)
         align = sp.QBLOCK if seg.scales is not None else STATE_ALIGN
-        plan = getattr(seg, "muon_shards", None)
-        key = M.MuonScratch.key_of([tuple(x.shape) for x in params], [tuple(p.shape) for p in seg.params],
-                                   h["adjust_lr_fn"], nsd, align)
+        plan = getattr(seg, "whole_shards", None)
+        shapes, full = [tuple(x.shape) for x in params], [tuple(p.shape) for p in seg.params]
+        key = M.MuonScratch.key_of(shapes, full, h["adjust_lr_fn"], nsd, align)
         if plan is None or plan.key != (key, tuple(dims), plan.world, plan.rank):
-            plan = seg.muon_shards = MuonShards(seg.params, params, dims, pg, h["adjust_lr_fn"], nsd, align)
+            scratch = M.MuonScratch(shapes, full, h["adjust_lr_fn"], nsd, params[0].device if params else "cpu", align)
+            plan = seg.whole_shards = WholeShards(seg.params, params, dims, pg, scratch, type(self).__name__)
         call.shard = (1, plan.scratch)
         ops.run_step(call, backend)
-        plan.orthogonalize_(params, pg, h["ns_a"], h["ns_b"], h["ns_c"], h["eps"], h["ns_steps"])
+        plan.apply_(params, pg, lambda x: M.orthogonalize(x, h["ns_a"], h["ns_b"], h["ns_c"], int(h["ns_steps"]),
+                                                          h["eps"], x.dtype))
         call.shard = (2, plan.scratch)
         ops.run_step(call, backend)
 
@@ -157,6 +160,15 @@ class MuonMath(StepOp):
         if "step" in saved:
             return super()._import_step(saved)
         return 1.0
+
+
+# Muon's momentum in 8-bit codes: measured, not recommended (docs/muon.md, "Alignment")
+Q8_MOMENTUM_WARNING = (
+    "FusedMuon(momentum_dtype=torch.uint8): Muon's momentum in 8-bit codes trails torch's recipe by 2.5-2.7% in "
+    "loss in the 600-step alignment run (docs/muon.md, Alignment; every other state mode stays within 0.13%), "
+    "most likely because the iteration weighs every direction of the momentum alike, the codes' rounding noise "
+    "included. "
+    "momentum_dtype=torch.bfloat16 keeps 2 bytes per element within 0.1%.")
 
 
 class FusedMuon(MuonMath, FusedOptimizer):
@@ -186,6 +198,8 @@ class FusedMuon(MuonMath, FusedOptimizer):
                  bf16_stochastic_round: bool = False, momentum_dtype: torch.dtype = torch.float32, seed: int = 0,
                  expert_stacks: bool = False):
         self.expert_stacks = bool(expert_stacks)
+        if momentum_dtype == torch.uint8:
+            warnings.warn(Q8_MOMENTUM_WARNING, UserWarning, stacklevel=2)
         groups = [with_adamw_defaults(g) for g in P.normalise_groups(params)]
         self._precision = _precision.make(type(self).__name__, master_weights, store_param_remainders,
                                           bf16_stochastic_round, {"momentum_dtype": momentum_dtype}, seed)

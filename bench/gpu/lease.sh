@@ -17,7 +17,7 @@
 #   peers      the state modes and the installed peers at 4096kx32 (run wheels first)
 #   lion       python -m bench --optimizer lion --device cuda
 #   muon       python -m bench --optimizer muon --device cuda at GPT-2 small (d768x12), and Muon's GPU tests (the
-#              Triton passes against the reference, FusedMuon under CUDA graphs' absence of host waits)
+#              cuda and Triton passes against the reference, FusedMuon under CUDA graphs' absence of host waits)
 #   ncu        Nsight Compute over one steady-state K2 of fp32, +sr+bf16m, +q8m and +sr+q8m at GPT-2 small
 # Then, here: tar xzf gpu.tgz, python -m bench.gpu.merge bench/results/<device>-<date> kernels probes suite sanitize.
 set -uo pipefail

@@ -67,8 +67,15 @@ MODES = {  # suffix: (parameter dtype, FusedMuon options)
     "+bf16": (torch.bfloat16, {}),
     "+bf16+rem": (torch.bfloat16, {"store_param_remainders": True}),
 }
+# the elementwise passes alone (the matrices only, the iteration left out) beside AdamW's fused step over the same
+# matrices, each in GB/s of the bytes it must move: suffix -> (parameter dtype, FusedMuon / FusedAdamW options,
+# master kind of bench.common.bytes)
+PASS_MODES = {
+    "+bf16": (torch.bfloat16, {}, "fp32"),
+    "+bf16+rem": (torch.bfloat16, {"store_param_remainders": True}, "remainder"),
+}
 COLUMNS = ["device", "workload", "variant", "median_ms", "p20_ms", "p80_ms", "matrices", "params",
-           "state_bytes_per_param", "threads", "torch", "git"]
+           "state_bytes_per_param", "gb_per_s", "threads", "torch", "git"]
 
 
 def parse_workload(name: str) -> tuple:
@@ -294,6 +301,54 @@ def _check_against_the_oracle(base, grads, scaled) -> None:
                              f"{theirs:.3g}; a wrong variant is not timed")
 
 
+class _WithoutIteration:
+    """FusedMuon's step with the Newton-Schulz iteration left out (K1 and its two elementwise passes only, the
+    first pass's output taken as the update), for the passes' bandwidth; restored on exit."""
+
+    def __enter__(self):
+        from ampfused.ops import reference_muon
+        self.split = reference_muon.SPLIT
+        self.split.between = lambda call, scratch: None
+        return self
+
+    def __exit__(self, *exc):
+        del self.split.between
+
+
+def _passes(shp, device, warmup: int, reps: int, max_s: float):
+    """``(variant, Timing, GB/s)`` of Muon's passes and of FusedAdamW's step over the model's matrices, per mode of
+    PASS_MODES: the bytes each must move (``bench.common.bytes``: K1, pass A and pass B; AdamW's K1 and K2) over
+    its median time."""
+    import ampfused
+    from ..common import bytes as nbytes
+    native = "cuda" if device.type == "cuda" else "cpu"
+    if not ampfused.ops.get_backend(native).has_step("muon_step_"):
+        return []  # (the reference runs the whole step: nothing to leave out)
+    mats = [s for s in shp if len(s) == 2]
+    n = sum(torch.Size(s).numel() for s in mats)
+    out = []
+    for suffix, (dtype, options, master) in PASS_MODES.items():
+        passes = nbytes.muon_pass_bytes(dtype, dtype, master)
+        for name, make, per in (
+                (f"passes: ampfused{suffix}",
+                 lambda ps: ampfused.FusedMuon(ps, lr=LR, weight_decay=WD, max_grad_norm=MAX_NORM, **options),
+                 passes["K1"] + passes["A"] + passes["B"]),
+                (f"passes: fused-adamw{suffix}",
+                 lambda ps: ampfused.FusedAdamW(ps, lr=LR, weight_decay=WD, max_grad_norm=MAX_NORM, **options),
+                 nbytes.mode_bytes_per_param(dtype, dtype, master) + torch.empty((), dtype=dtype).element_size())):
+            params = _model(mats, dtype, device)
+            grads = _grads(params, False)
+
+            def regrad(params=params, grads=grads):
+                for p, g in zip(params, grads):
+                    p.grad = g.clone()
+            opt = make(params)
+            with _WithoutIteration():
+                t = measure.time_steps(opt.step, regrad, device, warmup, reps, max_s)
+            out.append((name, t, per * n / (t.median * 1e6)))
+    return out
+
+
 def main(args, device: torch.device) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -337,6 +392,12 @@ def main(args, device: torch.device) -> int:
                              matrices=sum(len(s) == 2 for s in shp), params=n, state_bytes_per_param=round(state, 3),
                              threads=torch.get_num_threads(), torch=torch.__version__, git=env.get("git_sha", "")))
             print(f"{wname:>10} {name:<20} {t.median:9.2f} ms  state {state:5.2f} B/param", flush=True)
+        for name, t, gbps in _passes(shp, device, warmup, max(reps, 20), max_s):
+            rows.append(dict(device=env["device"], workload=wname, variant=name, median_ms=round(t.median, 3),
+                             p20_ms=round(t.p20, 3), p80_ms=round(t.p80, 3), matrices=sum(len(s) == 2 for s in shp),
+                             params=sum(torch.Size(s).numel() for s in shp if len(s) == 2), gb_per_s=round(gbps, 2),
+                             threads=torch.get_num_threads(), torch=torch.__version__, git=env.get("git_sha", "")))
+            print(f"{wname:>10} {name:<32} {t.median:9.3f} ms  {gbps:6.2f} GB/s", flush=True)
     stem = (args.name or envmod.device_stem(device)) + "-muon"
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, stem + ".csv")

@@ -6,6 +6,12 @@
 //   Op::apply(g, w, s1, s2, consts)                        (one element, math.h)
 //   Op::kStates (optional, default 2)                      (moments it keeps: 1 leaves state2 out of the
 //                                                           compact kernels, which never touch it then)
+// and, for a pass of a step split around a function of whole tensors (ops/specs.py: OpSpec.split):
+//   Op::at(hyper, row, offset, param, grad, consts)        (optional: after make, once per parameter; may point
+//                                                           param or grad at a scratch and finish the consts)
+//   Op::kOutput (optional, default false)                  (the "weight" is a 16-bit output, written to nearest
+//                                                           and never a master: the compact kernels take it)
+//   Op::kAdvancesSteps (optional, default true)            (false: the pass leaves the step counts alone)
 //
 // Two-kernel path: K1 already wrote the partials. A persistent grid (at most the blocks that fit on the
 // device at once) runs; every block reduces all partials (same order in every block) and returns at once
@@ -34,6 +40,21 @@
 
 namespace ampfused {
 namespace cuda {
+
+// The optional members of an Op (above).
+template <typename Op, typename = void>
+struct OpHasAt : std::false_type {};
+template <typename Op>
+struct OpHasAt<Op, std::void_t<decltype(&Op::at)>> : std::true_type {};
+template <typename Op, typename = void>
+struct OpOutput : std::false_type {};
+template <typename Op>
+struct OpOutput<Op, std::void_t<decltype(Op::kOutput)>> : std::integral_constant<bool, Op::kOutput> {};
+template <typename Op, typename = void>
+struct OpAdvancesSteps : std::true_type {};
+template <typename Op>
+struct OpAdvancesSteps<Op, std::void_t<decltype(Op::kAdvancesSteps)>>
+    : std::integral_constant<bool, Op::kAdvancesSteps> {};
 
 // The parameter of a block's current chunk, set by thread 0 and read by the whole block.
 template <typename Consts>
@@ -130,6 +151,7 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const StepArgs a, const 
         cur.row = row;
         const double step = read_scalar(scalar_at(a.steps, a.step_code, row), a.step_code);
         cur.consts = Op::make(pro.coef, pro.lr, step, h);
+        if constexpr (OpHasAt<Op>::value) Op::at(h, row, cur.offset, cur.param, cur.grad, cur.consts);
         if (a.seed) {
           const uint32_t t = key_step(next_step(step));
           cur.key = step_key(uint64_t(*a.seed), t);
@@ -139,7 +161,7 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const StepArgs a, const 
     }
     __syncthreads();
     const typename Op::Consts c = cur.consts;
-    if constexpr (kFmt == kMasterF32 && std::is_same<S, float>::value) {
+    if constexpr (kFmt == kMasterF32 && std::is_same<S, float>::value && !OpOutput<Op>::value) {
       update_chunk<G, P, Op>(a, static_cast<const G*>(cur.grad), static_cast<P*>(cur.param), cur.n, cur.offset,
                              cur.lo, c);
     } else if constexpr (std::is_same<S, uint8_t>::value) {
@@ -151,7 +173,7 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const StepArgs a, const 
     }
     __syncthreads();  // everyone is done with `cur` before thread 0 moves it to the next chunk
   }
-  count_and_advance_steps(a, counter);
+  if constexpr (OpAdvancesSteps<Op>::value) count_and_advance_steps(a, counter);
 }
 
 // Blocks of step_kernel<G, P, Op, kFmt, S> that fit on the device at once (cached per device).

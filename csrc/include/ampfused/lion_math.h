@@ -6,13 +6,6 @@
 
 namespace ampfused {
 
-// reference.lerp: torch.lerp(a, b, w) in the form torch picks by the weight's size (small: |w| < 0.5), each
-// operation rounded as written.
-AF_HD float lerp_torch(float a, float b, float w, bool small) {
-  const float d = b - a;
-  return small ? a + w * d : b - d * (1.0f - w);
-}
-
 // Per-step constants of Lion (reference.lion_step_), fp32.
 struct LionConsts {
   float coef;            // inv_scale * clip coefficient

@@ -170,6 +170,13 @@ AF_HD float bias_correction(float log_beta, float t) { return -expm1_nonpositive
 
 // ---- optimizer updates (K2) ------------------------------------------------------------------------
 
+// reference.lerp: torch.lerp(a, b, w) in the form torch picks by the weight's size (small: |w| < 0.5), each
+// operation rounded as written.
+AF_HD float lerp_torch(float a, float b, float w, bool small) {
+  const float d = b - a;
+  return small ? a + w * d : b - d * (1.0f - w);
+}
+
 // Per-step constants of Adam/AdamW, fp32, derived once per step by make_adam_consts.
 struct AdamConsts {
   float coef;        // inv_scale * clip coefficient

@@ -34,8 +34,9 @@ namespace ampfused {
   X(chunks) X(num_chunks) X(columns) X(num_columns) X(counter) X(single_launch)                          \
   /* a factored state's tiles on the GPU (their count, items and column parts; scratch) */             \
   X(tiles) X(items) X(colparts) X(scratch) X(col_chunk)                                                  \
-  /* a factored step over shards: its phase (0: the whole step) and its sums over whole parameters */    \
-  X(phase) X(sums)
+  /* a step in phases (0: the whole step): a factored one's sums over whole parameters; a split step's */ \
+  /* scratch between its passes (the scratch slot) and its fp64 lr factors, one per parameter */          \
+  X(phase) X(sums) X(ratios)
 // clang-format on
 
 enum StepSlot : int {
