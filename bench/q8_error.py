@@ -14,6 +14,12 @@ Columns: the mean relative error ``|stored - x| / |x|`` over the nonzero element
 ``exp_avg_sq`` elements stored as exact zero (Adam divides by ``sqrt(v) + eps``: a zero there turns an
 element's update into ``m / eps``); the relative L2 error of the Adam direction ``m / (sqrt(v) + eps)`` computed
 from the stored moments.
+
+``--optimizer muon`` trains it with torch's recipe for Muon instead (``torch.optim.Muon`` on the blocks'
+matrices, ``bench.align.modes.muon_groups``; AdamW on the rest) and stores each matrix's ``momentum_buffer``:
+columns the momentum's mean relative error and relative L2 error, and the relative L2 error of the update Muon
+makes from it (the Newton-Schulz iteration of the stored momentum against that of the fp32 one, in fp32, torch's
+coefficients), beside the Adam direction's error above (docs/muon.md, "Alignment").
 """
 from __future__ import annotations
 
@@ -85,6 +91,50 @@ def train_moments(steps: int, cfg: M.Config):
     return moments, loss.item(), what
 
 
+def train_muon_momenta(steps: int, cfg: M.Config):
+    """The fp32 momentum buffers of the blocks' matrices after ``steps`` of torch's Muon recipe (as
+    bench.align.modes' reference runs it, in fp32)."""
+    from bench.align import modes
+    torch.manual_seed(cfg.seed)
+    data, what = M.corpus()
+    model = M.build(cfg, M.initial_state(cfg), torch.float32, torch.float32, "cpu")
+    hidden, *aux = modes.muon_groups(list(model.named_parameters()), cfg.weight_decay)
+    kw = {k: v for k, v in modes.MUON_KW.items()}
+    muon = torch.optim.Muon(hidden["params"], lr=cfg.lr, weight_decay=cfg.weight_decay, **kw)
+    adamw = torch.optim.AdamW([{k: v for k, v in g.items() if k != "use_muon"} for g in aux], lr=cfg.lr,
+                              betas=cfg.betas, eps=cfg.eps)
+    offsets = M.batch_offsets(data.numel(), cfg)
+    for step in range(steps):
+        for g in muon.param_groups + adamw.param_groups:
+            g["lr"] = cfg.lr_at(step)
+        x, y = M.batch(data, offsets, step, cfg.context, "cpu")
+        loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        muon.zero_grad()
+        adamw.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
+        muon.step()
+        adamw.step()
+    return [muon.state[p]["momentum_buffer"] for p in hidden["params"]], loss.item(), what
+
+
+def measure_muon(momenta, store):
+    """(momentum mean rel. error, momentum rel. L2 error, Muon update rel. L2 error) of ``store`` over the
+    momenta (signed, each matrix's elements in blocks from its first)."""
+    from ampfused.ops.reference_muon import NS_A_B_C, orthogonalize
+    rel, dm, m2, do, o2 = [], 0.0, 0.0, 0.0, 0.0
+    for m in momenta:
+        s = store(m.flatten(), True).view(m.shape)
+        nz = m != 0
+        rel.append(((s - m).abs()[nz] / m.abs()[nz]).double())
+        dm += float(((s - m).double() ** 2).sum())
+        m2 += float((m.double() ** 2).sum())
+        o, os_ = (orthogonalize(x[None], *NS_A_B_C, 5, 1e-7, torch.float32)[0] for x in (m, s))
+        do += float(((os_ - o).double() ** 2).sum())
+        o2 += float((o.double() ** 2).sum())
+    return torch.cat(rel).mean().item(), (dm / m2) ** 0.5, (do / o2) ** 0.5
+
+
 def below_normal(x: torch.Tensor, signed: bool, span: int) -> tuple:
     """(spans of ``span`` elements, from the parameter's first, holding a value below their blocks' normal range,
     spans): the blocks whose codes the CUDA kernels encode out of line (``span`` 256: one block) or a vote over
@@ -123,8 +173,27 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
     args = ap.parse_args(argv)
     cfg = M.Config(steps=args.steps, layers=args.layers, width=args.width, heads=2, context=32, batch=8)
+    formats = {"q8 (nearest)": q8_nearest, "q8 (stochastic)": q8_stochastic, "linear int8": linear_int8}
+    tree = dynamic_tree()
+    if tree is not None:
+        formats["dynamic tree (torchao)"] = tree
+    if args.optimizer == "muon":
+        momenta, loss, what = train_muon_momenta(args.steps, cfg)
+        n = sum(m.numel() for m in momenta)
+        print(f"# {device_name(torch.device('cpu'))}, torch {torch.__version__}; GPT (layers {cfg.layers}, width "
+              f"{cfg.width}), {args.steps} steps of torch's Muon recipe (loss {loss:.3f}) on {what}; "
+              f"{len(momenta)} matrices, {n:,} momentum elements")
+        formats["bf16 (stochastic)"] = lambda x, signed: sp.round_stochastic(
+            x, sp.random_bits(sp.step_key(12345, 1), torch.arange(x.numel()))).float()
+        print("| format | momentum mean rel. error | momentum rel. L2 error | Muon update rel. L2 error |")
+        print("| --- | --- | --- | --- |")
+        for name, store in formats.items():
+            em, dm, do = measure_muon(momenta, store)
+            print(f"| {name} | {em:.2%} | {dm:.2%} | {do:.2%} |")
+        return 0
     moments, loss, what = train_moments(args.steps, cfg)
     n = sum(m.numel() for m, _ in moments)
     print(f"# {device_name(torch.device('cpu'))}, torch {torch.__version__}; GPT of {n:,} parameters "
@@ -138,10 +207,6 @@ def main(argv=None) -> int:
             shares.append(f"{name} {low / total:.1%} of {total} spans of {span}")
     print("# spans holding a value below their blocks' normal range (encoded by the general form): "
           + ", ".join(shares))
-    formats = {"q8 (nearest)": q8_nearest, "q8 (stochastic)": q8_stochastic, "linear int8": linear_int8}
-    tree = dynamic_tree()
-    if tree is not None:
-        formats["dynamic tree (torchao)"] = tree
     print("| format | exp_avg mean rel. error | exp_avg_sq mean rel. error | exp_avg_sq nonzero stored as 0 | "
           "Adam direction rel. L2 error |")
     print("| --- | --- | --- | --- | --- |")

@@ -189,6 +189,13 @@ def test_muon_benchmark_times_torch_recipe_and_fused_muon(tmp_path):
     with open(tmp_path / "t-muon.csv", newline="") as f:
         rows = {row["variant"]: row for row in csv.DictReader(f)}
     ours = {"torch-muon+adamw", "ampfused", "ampfused+bf16", "ampfused+bf16+rem"}
+    # the passes alone beside FusedAdamW's step over the same matrices, each pair in GB/s of its bytes
+    passes = {f"passes: {who}{mode}" for who in ("ampfused", "fused-adamw") for mode in ("+bf16", "+bf16+rem")}
+    from ampfused import ops
+    if ops.get_backend("cpu").has_step("muon_step_"):
+        ours |= passes
+        for name in passes:
+            assert float(rows[name]["gb_per_s"]) > 0 and rows[name]["params"] == str(4 * 16 * 16 + 2 * 4 * 16 * 16)
     try:
         import heavyball  # noqa: F401
     except ImportError:

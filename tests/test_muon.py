@@ -431,3 +431,27 @@ def test_a_compiled_step_is_the_eager_steps_bits():
         torch._dynamo.reset()  # (what it compiled counts against the recompile limit of later tests' frames)
     for i, (a, b) in enumerate(zip(*ps)):
         assert_bitwise(f"param[{i}]", a.detach(), b.detach())
+
+
+def test_the_format_comparison_measures_the_iteration_amplifying_8_bit_noise():
+    """``python -m bench.q8_error --optimizer muon`` (docs/muon.md, Alignment): a momentum stored as it is changes
+    nothing; stored in 8-bit codes, the update Muon makes from it moves by many times the momentum's own error
+    (the iteration gives the small singular directions, where the codes' noise is, the weight of the large)."""
+    from bench import q8_error as Q
+    g = torch.Generator().manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(64, 64, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(64, 64, generator=g))
+    m = (u * torch.logspace(0, -3, 64)) @ v.T * 1e-2
+    assert Q.measure_muon([m], lambda x, signed: x) == (0.0, 0.0, 0.0)
+    _, dm, do = Q.measure_muon([m], Q.q8_stochastic)
+    assert 0 < dm < 0.1 and do > 5 * dm
+
+
+def test_8_bit_momentum_warns_with_the_alignment_numbers():
+    import warnings
+    w = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.bfloat16))
+    with pytest.warns(UserWarning, match="8-bit codes trails torch's recipe by 2.5-2.7%"):
+        ampfused.FusedMuon([w], momentum_dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ampfused.FusedMuon([w], momentum_dtype=torch.bfloat16)

@@ -66,6 +66,14 @@ def named_kernels(device="cpu"):
                 setattr(b, op, old)
 
 
+def step_launches(op: str, device="cpu", dtype=torch.float32) -> int:
+    """The backend entries step op ``op`` makes per step on ``device``'s default backend: two for a split step
+    (``OpSpec.split``: its passes) on a backend that has its passes, else one."""
+    name = ampfused.ops.resolve(torch.device(device), (dtype,)).name
+    split = ampfused.ops.specs.SPECS[op].split is not None
+    return 2 if split and name != "reference" and ampfused.ops.get_backend(name).has_step(op) else 1
+
+
 class StepCounter:
     """Windows opened by ``start()`` and closed by ``stop()``, each profiled on its own: ``windows[i]`` is the
     Counter of outermost operators of window i, ``syncs[i]`` (CUDA only) its host syncs. Use inside
