@@ -78,8 +78,7 @@ def runs(tmp_path_factory):
     return out, load(out, 1)[0]
 
 
-def _series(run, key):
-    return [m[key] for m in run["logged"]]
+_series = H.series
 
 
 def _assert_params_close(a, b, atol=PARAM_ATOL):

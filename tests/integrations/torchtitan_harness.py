@@ -273,3 +273,8 @@ def run_trainer(config, nan_steps=(), on_nan: str = "poison", device: str = "cpu
     finally:
         trainer.close()
     return {"logged": logged, "params": params, "dist_utils_restored": tt_trainer.dist_utils is tt_dist_utils}
+
+
+def series(run: Dict[str, object], key: str) -> list:
+    """One metric of a ``run_trainer`` result, step by step."""
+    return [m[key] for m in run["logged"]]
