@@ -395,7 +395,8 @@ def main(args, device: torch.device) -> int:
         for name, t, gbps in _passes(shp, device, warmup, max(reps, 20), max_s):
             rows.append(dict(device=env["device"], workload=wname, variant=name, median_ms=round(t.median, 3),
                              p20_ms=round(t.p20, 3), p80_ms=round(t.p80, 3), matrices=sum(len(s) == 2 for s in shp),
-                             params=sum(torch.Size(s).numel() for s in shp if len(s) == 2), gb_per_s=round(gbps, 2),
+                             params=sum(torch.Size(s).numel() for s in shp if len(s) == 2),
+                             gb_per_s=float(f"{gbps:.4g}"),  # four figures: a tiny workload is well under 0.01
                              threads=torch.get_num_threads(), torch=torch.__version__, git=env.get("git_sha", "")))
             print(f"{wname:>10} {name:<32} {t.median:9.3f} ms  {gbps:6.2f} GB/s", flush=True)
     stem = (args.name or envmod.device_stem(device)) + "-muon"
