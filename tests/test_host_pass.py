@@ -80,6 +80,9 @@ def _train(kind, steps=6, set_to_none=True, inject_inf_at=3, backend="cpu", devi
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
     if kind == "adamw":
         opt = ampfused.FusedAdamW(groups, lr=1e-2, max_grad_norm=1.0, backend=backend)
+    elif kind == "muon":  # a split step (two passes around the iteration) beside AdamW's groups
+        groups[1]["use_muon"] = False
+        opt = ampfused.FusedMuon(groups, lr=1e-2, max_grad_norm=1.0, backend=backend)
     elif kind == "adafactor":
         opt = ampfused.FusedAdafactor(groups, lr=1e-2, max_grad_norm=1.0, backend=backend)
     else:
@@ -89,6 +92,8 @@ def _train(kind, steps=6, set_to_none=True, inject_inf_at=3, backend="cpu", devi
     for s in range(steps):
         x = torch.randn(8, 12, generator=g).to(device=device, dtype=torch.bfloat16)
         model[2].bias.requires_grad_(s % 2 == 0 or not toggle)  # a parameter without a gradient on odd steps
+        if kind == "muon":  # and a matrix without one
+            model[0].weight.requires_grad_(s % 2 == 0 or not toggle)
         loss = model(x).float().pow(2).mean()
         if s == inject_inf_at:
             loss = loss * float("inf")
@@ -112,7 +117,7 @@ def _assert_same_run(a, b):
 
 @needs_host
 @needs_cpu
-@pytest.mark.parametrize("kind", ["adamw", "sgd", "adafactor"])
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "adafactor", "muon"])
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["grads-set-to-None", "grads-zeroed-in-place"])
 def test_the_host_pass_takes_the_python_paths_step(kind, set_to_none, counting, monkeypatch):
     fast = _train(kind, set_to_none=set_to_none)
@@ -124,7 +129,7 @@ def test_the_host_pass_takes_the_python_paths_step(kind, set_to_none, counting, 
 @needs_host
 @pytest.mark.skipif("triton" not in cpu_backends(), reason="Triton does not run here")
 @pytest.mark.parametrize("kind,set_to_none", [("adamw", True), ("sgd", True), ("adafactor", True),
-                                               ("adafactor", False)])  # (in place: the same table, reused)
+                                               ("adafactor", False), ("muon", True)])  # (in place: the same table, reused)
 def test_the_host_pass_feeds_the_triton_kernels_as_the_python_path_does(kind, set_to_none, counting, monkeypatch):
     fast = _train(kind, steps=4, inject_inf_at=2, backend="triton", set_to_none=set_to_none)
     assert counting.statuses.count(0) >= 3 * 2, counting.statuses
@@ -177,7 +182,7 @@ def test_warm_table_steps_reuse_the_triton_plans(counting):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
-@pytest.mark.parametrize("kind", ["adamw", "sgd", "adafactor"])
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "adafactor", "muon"])
 def test_the_host_pass_feeds_the_gpu_kernels_as_the_python_path_does(kind, backend, counting, monkeypatch):
     """On a GPU: K1 from the segments' device tables (one launch per segment) and K2 from the same cached work
     give the Python path's bits, a parameter without a gradient and an overflow step included."""

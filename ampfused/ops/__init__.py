@@ -106,7 +106,7 @@ def run_step(call: StepCall, backend: str) -> None:
     (a table is the fused optimizers' eager path only; a phase over shards, ``call.shard``, traced runs its
     reference)."""
     if call.table is not None:
-        get_backend(backend).step(call)
+        call.run_on(get_backend(backend))
     elif call.shard is not None and not _eager(call.steps):
         get_backend("reference").step(call)  # (a phase over shards has no custom op: traced, its torch operations)
     elif _eager(call.steps):

@@ -5,7 +5,8 @@ A call carries its op's record (:mod:`ampfused.ops.specs`), the tensors in the r
 by name, the hyperparameters by name), and where the parameters and gradients come from: either the tensors
 (``params``, ``grads``: the public ops, the custom ops, an optimizer on its Python path) or a fused optimizer's
 tensor table (``table``: ``(address, rows, array[, stamps])``, written by ``ampfused._host`` after its checks,
-every parameter and gradient of dtype ``dtype``; only for a backend with ``takes_tables``). A factored step over
+every parameter and gradient of dtype ``dtype``; only for a backend with ``takes_tables``; a split step's table
+call carries the tensors too, for the function between its passes). A factored step over
 the shards of parameters split over ranks runs in phases: ``shard`` is ``(phase, ShardSums)``
 (:class:`ampfused.ops.factored.ShardSums`), from the tensors.
 """

@@ -497,8 +497,7 @@ class Segments:
             b = ops.registry.get_backend(ops.step_backend(seg.device, seg.step_dtypes, backend,
                                                           op if isinstance(op, str) else op(seg)))
             k1 = ops.registry.get_backend(ops.step_backend(seg.device, (str(seg.dtype),), backend))
-            split = ops.specs.SPECS[op if isinstance(op, str) else op(seg)].split is not None  # (from its tensors)
-            if seg.sharded or split or not seg.takes_tables or b is None or not b.takes_tables or k1 is not b \
+            if seg.sharded or not seg.takes_tables or b is None or not b.takes_tables or k1 is not b \
                     or found not in (None, b):
                 found = None
                 break

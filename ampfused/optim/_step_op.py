@@ -45,7 +45,10 @@ class StepOp:
                      backend)
 
     def _step_op_table(self, seg, backend, group: dict, partials, inv_scale, lr, max_norm: float) -> None:
-        """K2 over one segment from its tensor table (the host pass's path) on ``backend`` (a backend object)."""
-        ops.run_step(self._step_call(seg, group, partials, inv_scale, lr, max_norm, table=seg.step_table(),
-                                     dtype=seg.dtype),
-                     backend.name)
+        """K2 over one segment from its tensor table (the host pass's path) on ``backend`` (a backend object). A
+        split step (``OpSpec.split``) also carries the segment's tensors: its function between the passes reads
+        their shapes and which have a gradient (the ones the host pass wrote into the table)."""
+        source = dict(table=seg.step_table(), dtype=seg.dtype)
+        if ops.specs.SPECS[self._op_for(group)].split is not None:
+            source.update(params=seg.params, grads=[p.grad for p in seg.params])
+        ops.run_step(self._step_call(seg, group, partials, inv_scale, lr, max_norm, **source), backend.name)
