@@ -42,13 +42,13 @@ void muon_momentum_range(const StepBufs& b, const StepTensor& t, const SplitMome
   else run(std::integral_constant<int, kSplitAny>{});
 }
 
-// Phase 1 over every parameter: ts[k].param is its piece of the scratch.
-void muon_momentum_apply(const StepBufs& b, const StepTensor* ts, const SplitMomentumConsts* c, int64_t count,
+// Phase 1 over every parameter, with the step's one set of constants: ts[k].param is its piece of the scratch.
+void muon_momentum_apply(const StepBufs& b, const StepTensor* ts, const SplitMomentumConsts& c, int64_t count,
                          int nthreads) {
   if (b.state_dtype != kBF16 && b.state_dtype != kStateU8) {
     with_type(b.grad_dtype, [&](auto gtag) {
       parallel_blocks(ts, count, nthreads, [&](int64_t k, int64_t lo, int64_t hi, bool st) {
-        muon_momentum_range<decltype(gtag)>(b, ts[k], c[k], lo, hi, st);
+        muon_momentum_range<decltype(gtag)>(b, ts[k], c, lo, hi, st);
       });
     });
     return;
@@ -61,11 +61,10 @@ void muon_momentum_apply(const StepBufs& b, const StepTensor* ts, const SplitMom
       u = split_momentum_form<kForm>(g, m, k);
     };
     parallel_blocks(ts, count, nthreads, [&](int64_t k, int64_t lo, int64_t hi, bool) {
-      compact_range<G, bf16_t, kMasterF32, false, S, 1>(b, ts[k], c[k], lo, hi, apply);
+      compact_range<G, bf16_t, kMasterF32, false, S, 1>(b, ts[k], c, lo, hi, apply);
     });
   };
-  // (one set of constants for the step: its form decides for every parameter)
-  const int form = count ? split_momentum_form_of(c[0]) : kSplitAny;
+  const int form = split_momentum_form_of(c);  // (the step's: the same for every parameter)
   with_type(b.grad_dtype, [&](auto gtag) {
     const auto with_form = [&](auto stag) {
       if (form == kSplitNesterov) run(gtag, stag, std::integral_constant<int, kSplitNesterov>{});
@@ -151,8 +150,8 @@ void muon_step(const StepPack& p) {
     b.master = nullptr;  // (the weights are not touched)
     b.master_format = kMasterF32;
     b.param_dtype = kBF16;
-    const std::vector<SplitMomentumConsts> cs(ts.size(), make_split_momentum_consts(coef, momentum, nesterov));
-    muon_momentum_apply(b, ts.data(), cs.data(), int64_t(ts.size()), threads_of(p));
+    muon_momentum_apply(b, ts.data(), make_split_momentum_consts(coef, momentum, nesterov), int64_t(ts.size()),
+                        threads_of(p));
     return;
   }
   b.state1 = nullptr;  // (the momentum is not touched)
