@@ -146,20 +146,36 @@ def test_built_module_every_compact_mode_moves_8_elements_a_trip_in_wide_accesse
             assert not any(k.endswith((".8", ".16")) for k in r.trip.widths), (op, mode.label, r.trip.widths)
 
 
-@pytest.mark.skipif(C.tool("cuobjdump") is None or C.tool("nvdisasm") is None,
-                    reason="needs cuobjdump and nvdisasm (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-def test_triton_compact_kernel_for_sm90_moves_8_elements_a_trip_in_wide_accesses():
+def _compiled(code: str):
+    """What ``code`` prints last (JSON), run after ``import json`` and ``bench.sass``'s ``modes as M, triton as T``
+    in a process of its own without TRITON_INTERPRET (set here when there is no GPU): compiled, not interpreted."""
     pytest.importorskip("triton")
-    # compiled, not interpreted: in a process of its own without TRITON_INTERPRET (set here when there is no GPU)
-    code = ("import json; from bench.sass import modes as M, triton as T; "
-            "mode = next(m for m in M.MODES if m.label == '+rem+bf16m'); "
-            "(r,) = T.rows(ops=('adam',), modes=(mode,)); print(json.dumps([r.backend, r.elems, r.trip.widths]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    code = "import json; from bench.sass import modes as M, triton as T; " + code
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root)
     assert out.returncode == 0, out.stderr[-2000:]
-    backend, elems, widths = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_triton_muon_passes_compile_for_sm90():
+    """Muon's Triton passes run under the interpreter here, which takes what the compiler may refuse: both compile
+    for sm_90 (triton's own ptxas, no GPU) with a master, with remainders and bf16 momentum, and with neither and
+    8-bit momentum (a draw per element)."""
+    sizes = _compiled(
+        "labels = ('fp32 master', '+rem+bf16m', '+sr+q8m'); "
+        "print(json.dumps({f'{m.label} {ph}': len(T.muon_cubin(m, ph)) for m in M.MODES if m.label in labels "
+        "for ph in (1, 2)}))")
+    assert len(sizes) == 6 and all(n > 0 for n in sizes.values()), sizes
+
+
+@pytest.mark.skipif(C.tool("cuobjdump") is None or C.tool("nvdisasm") is None,
+                    reason="needs cuobjdump and nvdisasm (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+def test_triton_compact_kernel_for_sm90_moves_8_elements_a_trip_in_wide_accesses():
+    backend, elems, widths = _compiled(
+        "mode = next(m for m in M.MODES if m.label == '+rem+bf16m'); "
+        "(r,) = T.rows(ops=('adam',), modes=(mode,)); print(json.dumps([r.backend, r.elems, r.trip.widths]))")
     assert backend == "triton" and elems == 8
     # remainders and bf16 moments 4 elements per access at least (8-byte aligned), the rest 16 bytes
     assert not any(k.endswith((".8", ".16", ".32")) for k in widths), widths

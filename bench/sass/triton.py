@@ -4,7 +4,7 @@
 asked anything, so each state mode's K2 (``triton_kernels/adam.py``, ``sgd.py``) is compiled here with the
 constexprs its launcher would pass for bf16 weights and gradients (aligned tables, AdamW / SGD with momentum, a
 seed where the mode draws) and disassembled like the CUDA module; the element loop and the counts are found
-the same way (``bench/sass/cuda.py``).
+the same way (``bench/sass/cuda.py``). Muon's passes (``muon.py``) are compiled the same way (``muon_cubin``).
 """
 from __future__ import annotations
 
@@ -69,6 +69,20 @@ def sgd_cubin(mode: M.Mode) -> bytes:
             "scales_ptr": "*fp32"}
     ints = {"num_chunks", "T", "P", "p_stride_row", "p_stride_col"}
     return _compile(sgd._sgd_kernel, consts, ptrs, ints, sgd.NUM_WARPS)
+
+
+def muon_cubin(mode: M.Mode, phase: int) -> bytes:
+    """One of Muon's two passes (``triton_kernels/muon.py``: 1, the momentum and the iteration's input; 2, the
+    update of the weight), Nesterov with decay, compiled as its launcher would launch it in ``mode``."""
+    from ampfused.triton_kernels import muon
+    consts = dict(_common(mode, muon), PHASE=phase, NESTEROV=True, DECAY=True)
+    del consts["MAXIMIZE"]
+    ptrs = {"table_ptr": "*i64", "chunks_ptr": "*i64", "master_ptr": _master_ptr(mode), "m_ptr": _state_ptr(mode),
+            "scratch_ptr": "*bf16", "steps_ptr": "*fp32", "partials_ptr": "*fp32", "inv_scale_ptr": "*fp32",
+            "decay_ptr": "*fp32", "step_ptr": "*fp32", "out_stats_ptr": "*fp32", "counter_ptr": "*i32",
+            "seed_ptr": "*i64", "scales_ptr": "*fp32"}
+    ints = {"num_chunks", "T", "P", "p_stride_row", "p_stride_col"}
+    return _compile(muon._muon_kernel, consts, ptrs, ints, muon.NUM_WARPS)
 
 
 def rows(ops=("adam", "sgd"), modes=M.MODES) -> List[C.Row]:
