@@ -162,12 +162,18 @@ def _compiled(code: str):
 def test_triton_muon_passes_compile_for_sm90():
     """Muon's Triton passes run under the interpreter here, which takes what the compiler may refuse: both compile
     for sm_90 (triton's own ptxas, no GPU) with a master, with remainders and bf16 momentum, and with neither and
-    8-bit momentum (a draw per element)."""
-    sizes = _compiled(
-        "labels = ('fp32 master', '+rem+bf16m', '+sr+q8m'); "
-        "print(json.dumps({f'{m.label} {ph}': len(T.muon_cubin(m, ph)) for m in M.MODES if m.label in labels "
-        "for ph in (1, 2)}))")
-    assert len(sizes) == 6 and all(n > 0 for n in sizes.values()), sizes
+    8-bit momentum (a draw per element). Where the disassembler is installed, no loop that stores moves an element
+    of 2 bytes alone: the bf16 scratch between the passes goes 4 elements an access, as the bf16 state does."""
+    labels = ("fp32 master", "+rem+bf16m", "+sr+q8m")
+    if C.tool("cuobjdump") is None or C.tool("nvdisasm") is None:
+        sizes = _compiled(f"print(json.dumps([len(T.muon_cubin(m, ph)) for m in M.MODES if m.label in {labels!r} "
+                          "for ph in (1, 2)]))")
+        assert len(sizes) == 6 and all(sizes), sizes
+        return
+    widths = _compiled(f"print(json.dumps(T.muon_access_widths({labels!r})))")
+    assert len(widths) == 6 and all(widths.values()), widths
+    narrow = {k: [w for w in ws if w.endswith((".8", ".16"))] for k, ws in widths.items()}
+    assert not any(narrow.values()), narrow
 
 
 @pytest.mark.skipif(C.tool("cuobjdump") is None or C.tool("nvdisasm") is None,

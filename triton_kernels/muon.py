@@ -20,8 +20,8 @@ import triton.language as tl
 
 from ._common import (LAUNCH_OPTIONS, TL_DTYPES, device_guard, f32, grid_size, nonempty, _advance_steps, _load,
                       _lerp, _prologue, _round_to, _step_chunk, _store, _to_f32)
-from ._compact import (_draw, _load_state, _load_weight, _step_key, _store_state, _store_weight, _stream_bits,
-                       chunk_state_ptrs, launch_format)
+from ._compact import (_draw, _load_state, _load_weight, _state16_ptr, _step_key, _store_state, _store_weight,
+                       _stream_bits, chunk_state_ptrs, launch_format)
 from ._q8 import QBLOCK, _load_q8, _store_q8
 
 BLOCK = 1024
@@ -88,7 +88,7 @@ def _muon_kernel(table_ptr, chunks_ptr, num_chunks, T, master_ptr, m_ptr, scratc
             row, param_ptr, grad_ptr, state, count, w_ptr = _step_chunk(
                 table_ptr, chunks_ptr, c, master_ptr, PARAM_DTYPE, GRAD_DTYPE, HAS_MASTER, ALIGNED, CHUNK)
             w_ptr, m_c, _unused = chunk_state_ptrs(w_ptr, master_ptr, m_ptr, m_ptr, state, MASTER_FORMAT, STATE_BF16)
-            x_c = scratch_ptr + state
+            x_c = _state16_ptr(scratch_ptr, state)  # (laid out as the state: 4 elements an access)
             key = tl.full((), 0, tl.uint32)
             if USE_SEED:  # the stochastic rounding's key at this parameter's step t = steps[row] + 1
                 key = _step_key(tl.load(seed_ptr), tl.load(steps_ptr + row).to(tl.float32) + 1.0)
@@ -127,6 +127,9 @@ def muon_step_(plan, count, param_dtype, grad_dtype, master, momentum_buffer, st
     if phase not in (1, 2) or scratch is None:
         raise ValueError("the triton backend runs muon_step_ as its two passes around the iteration "
                          "(StepCall.run_on gives each its phase and scratch)")
+    if scratch.buffer.data_ptr() % 16:  # (its pieces are read and written 4 elements at a time)
+        raise ValueError("the triton backend's muon_step_ needs its scratch 16-byte aligned (a buffer of its own, "
+                         "as MuonScratch allocates it)")
     programs = max(grid_size(plan.num_chunks, MAX_PROGRAMS), 1)
     fmt = launch_format(param_dtype, master, momentum_buffer, seed)
     decay = step = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import List
+from typing import Dict, List
 
 from . import cuda as C
 from . import modes as M
@@ -85,19 +85,33 @@ def muon_cubin(mode: M.Mode, phase: int) -> bytes:
     return _compile(muon._muon_kernel, consts, ptrs, ints, muon.NUM_WARPS)
 
 
+def _disassembled(cubin: bytes) -> List[P.Function]:
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return P.parse(C.disassemble(path))
+
+
+def muon_access_widths(labels) -> Dict[str, List[str]]:
+    """``{"<mode label> <phase>": widths}``: the global-memory accesses (``LDG.64``, ``STG.128``, ...) of the loops
+    that store, in each of Muon's passes compiled for each mode named in ``labels`` (needs cuobjdump and nvdisasm)."""
+    out = {}
+    for mode in (m for m in M.MODES if m.label in labels):
+        for phase in (1, 2):
+            fns = _disassembled(muon_cubin(mode, phase))
+            trips = [P.trip(fn, a, b) for fn in fns for a, b in P.innermost_loops(fn)]
+            out[f"{mode.label} {phase}"] = sorted({w for t in trips if t.stores for w in t.widths})
+    return out
+
+
 def rows(ops=("adam", "sgd"), modes=M.MODES) -> List[C.Row]:
     out = []
-    with tempfile.TemporaryDirectory() as d:
-        for op in ops:
-            for mode in modes:
-                cubin = (adam_cubin if op == "adam" else sgd_cubin)(mode)
-                path = os.path.join(d, "k.cubin")
-                with open(path, "wb") as f:
-                    f.write(cubin)
-                fns = P.parse(C.disassemble(path))
-                found = None
-                for fn in fns:
-                    found = C.element_loop(fn, mode, op) or found
-                if found:
-                    out.append(C.Row("triton", op, mode, found[0], found[1]))
+    for op in ops:
+        for mode in modes:
+            found = None
+            for fn in _disassembled((adam_cubin if op == "adam" else sgd_cubin)(mode)):
+                found = C.element_loop(fn, mode, op) or found
+            if found:
+                out.append(C.Row("triton", op, mode, found[0], found[1]))
     return out
