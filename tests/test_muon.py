@@ -414,6 +414,30 @@ def test_a_named_backend_without_muon_is_refused_before_any_group_steps(monkeypa
     assert_bitwise("w", w.detach(), before[1])
 
 
+@pytest.mark.parametrize("path", ["host pass", "Python path"])
+def test_a_matrix_made_a_vector_in_place_is_refused_before_any_group_steps(path, monkeypatch):
+    """``w.data = w.data.view(-1)`` keeps the address and the version counter the host pass compares: the step
+    refuses it with torch's message before the AdamW group listed first has stepped, on either path."""
+    from ampfused.optim import _segments
+    if path == "Python path":
+        monkeypatch.setattr(_segments, "_HOST", None)
+    torch.manual_seed(0)
+    v, w = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(8, 4))
+    opt = ampfused.FusedMuon([dict(params=[v], use_muon=False), dict(params=[w])], lr=0.1)
+    for _ in range(2):
+        v.grad, w.grad = torch.randn_like(v), torch.randn_like(w)
+        opt.step()
+    before = [v.detach().clone(), opt.state[v]["exp_avg"].clone(), opt.state[w]["momentum_buffer"].clone()]
+    w.data = w.data.view(-1)
+    v.grad, w.grad = torch.randn_like(v), torch.randn_like(w)
+    with pytest.raises(ValueError, match=r"Muon only supports 2D parameters whereas we found a parameter with size: "
+                                         r"torch.Size\(\[32\]\)"):
+        opt.step()
+    for name, a, b in zip(("v", "exp_avg", "momentum_buffer"), before,
+                          (v.detach(), opt.state[v]["exp_avg"], opt.state[w]["momentum_buffer"])):
+        assert_bitwise(name, b, a)
+
+
 def test_a_compiled_step_is_the_eager_steps_bits():
     """``torch.compile`` of the step (its op through the custom op, the iteration traced): the eager step's bits."""
     ps = [[torch.nn.Parameter(p.clone()) for p in _init()] for _ in range(2)]

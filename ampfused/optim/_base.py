@@ -286,6 +286,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """K2 over every segment that has a gradient; ``folded_max_norm``: a clip folded into this step. Each
         segment's backend is resolved before any of them steps (a backend named that lacks a group's op is refused
         with nothing changed)."""
+        self._check_shapes_now()
         backends = {} if batch.tables else {
             si: self._backend_name(seg, batch.per_segment[si]) for si, seg in enumerate(self._segs.segments)
             if not batch.segment_empty(si)}
@@ -312,6 +313,10 @@ class FusedOptimizer(torch.optim.Optimizer):
                     seg.vers = versions(seg.tensors())
                 if not seg.all_state:
                     self._segs.note_state(self, seg, [g is not None for g in grads])
+
+    def _check_shapes_now(self) -> None:
+        """A math class's refusal of parameter shapes its op cannot step (shapes changed in place since its groups
+        were checked), before any segment steps; elementwise optimizers take any shape."""
 
     def _update(self, seg: Segment, grads: List[Optional[Tensor]], group: dict, partials: Tensor,
                 inv_scale: Tensor, lr: Tensor, max_norm: float, backend: str) -> None:

@@ -121,6 +121,16 @@ class MuonMath(StepOp):
                                      f"{p.size()}" + ("" if self.expert_stacks else
                                                       " (FusedMuon(expert_stacks=True) takes stacks of matrices)"))
 
+    def _check_shapes_now(self) -> None:
+        """Every step, before any group steps: a matrix made something else in place (``p.data = p.data.view(-1)``
+        keeps its address and version) is refused with torch's message while nothing has changed (one ``dim()`` per
+        parameter of a Muon group)."""
+        for seg in self._segs.segments:
+            group = self.param_groups[seg.group_index]
+            if uses_muon(group) and any(p.dim() != 2 and not (self.expert_stacks and p.dim() > 2)
+                                        for p in seg.params):
+                self._check_shapes([group], seg.group_index)
+
     def _step_op(self, seg, params, grads, group, partials, inv_scale, lr, max_norm, backend: str) -> None:
         if seg.sharded and uses_muon(group):
             self._sharded_step(seg, params, grads, group, partials, inv_scale, lr, max_norm, backend)
