@@ -291,11 +291,10 @@ class _Split:
 
     def scratch(self, call) -> MuonScratch:
         params, m = call.params, call.states["momentum_buffer"]
-        shapes = [tuple(p.shape) for p in params]
+        shapes = tuple([p.shape for p in params])  # (torch.Size: a tuple, hashed and compared as one)
         align = QBLOCK if m.dtype == torch.uint8 else STATE_ALIGN
         nsd = ns_dtype(params[0].dtype)
-        key = MuonScratch.key_of(shapes, shapes, call.hyper["adjust_lr_fn"], nsd, align)
-        site = (call.steps.data_ptr(), m.device, key)
+        site = (call.steps.data_ptr(), m.device, shapes, call.hyper["adjust_lr_fn"], nsd, align)
         kept = self._kept.get(site)
         if kept is not None and kept.buffer.device == m.device:
             self._kept.move_to_end(site)

@@ -127,9 +127,10 @@ class MuonMath(StepOp):
         parameter of a Muon group)."""
         for seg in self._segs.segments:
             group = self.param_groups[seg.group_index]
-            if uses_muon(group) and any(p.dim() != 2 and not (self.expert_stacks and p.dim() > 2)
-                                        for p in seg.params):
-                self._check_shapes([group], seg.group_index)
+            if uses_muon(group):
+                dims = {p.dim() for p in seg.params}
+                if dims - {2} and (not self.expert_stacks or min(dims) < 2):
+                    self._check_shapes([group], seg.group_index)
 
     def _step_op(self, seg, params, grads, group, partials, inv_scale, lr, max_norm, backend: str) -> None:
         if seg.sharded and uses_muon(group):
