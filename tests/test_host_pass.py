@@ -129,7 +129,8 @@ def test_the_host_pass_takes_the_python_paths_step(kind, set_to_none, counting, 
 @needs_host
 @pytest.mark.skipif("triton" not in cpu_backends(), reason="Triton does not run here")
 @pytest.mark.parametrize("kind,set_to_none", [("adamw", True), ("sgd", True), ("adafactor", True),
-                                               ("adafactor", False), ("muon", True)])  # (in place: the same table, reused)
+                                               ("adafactor", False),  # (in place: the same table, reused)
+                                               ("muon", True)])
 def test_the_host_pass_feeds_the_triton_kernels_as_the_python_path_does(kind, set_to_none, counting, monkeypatch):
     fast = _train(kind, steps=4, inject_inf_at=2, backend="triton", set_to_none=set_to_none)
     assert counting.statuses.count(0) >= 3 * 2, counting.statuses
