@@ -299,7 +299,6 @@ class _Split:
         if kept is not None and kept.buffer.device == m.device:
             self._kept.move_to_end(site)
             return kept
-        check_rules(params, call.hyper)  # (new shapes: a table call's were not checked since they changed)
         kept = self._kept[site] = MuonScratch(shapes, shapes, call.hyper["adjust_lr_fn"], nsd, m.device, align)
         while len(self._kept) > self.CAPACITY:
             self._kept.popitem(last=False)

@@ -78,9 +78,6 @@ def runs(tmp_path_factory):
     return out, load(out, 1)[0]
 
 
-_series = H.series
-
-
 def _assert_params_close(a, b, atol=PARAM_ATOL):
     assert a.keys() == b.keys()
     for name in a:
@@ -90,14 +87,15 @@ def _assert_params_close(a, b, atol=PARAM_ATOL):
 def test_losses_norms_and_skips_match_torchtitans_adamw(runs):
     _, r = runs
     torch_run, fused = r["torch"], r["fused"]
-    assert _series(fused, "step") == list(range(1, STEPS + 1))
+    assert H.series(fused, "step") == list(range(1, STEPS + 1))
     assert fused["dist_utils_restored"]  # torchtitan's trainer module has its own dist_utils back after each step
     # the same losses at every step (step 3's NaN is in the gradients after the backward: its loss is finite)
-    for a, b in zip(_series(torch_run, "loss_metrics/global_avg_loss"), _series(fused, "loss_metrics/global_avg_loss")):
+    for a, b in zip(H.series(torch_run, "loss_metrics/global_avg_loss"),
+                    H.series(fused, "loss_metrics/global_avg_loss")):
         assert math.isclose(a, b, rel_tol=LOSS_RTOL), (a, b)
     # the norm torchtitan logs is the fused step's (before clipping, so above MAX_NORM: the clip was active);
     # at the NaN step it is the non-finite norm of what the step saw and skipped
-    norms_t, norms_f = _series(torch_run, "grad_norm"), _series(fused, "grad_norm")
+    norms_t, norms_f = H.series(torch_run, "grad_norm"), H.series(fused, "grad_norm")
     for step, (a, b) in enumerate(zip(norms_t, norms_f), start=1):
         if step == NAN_STEP:
             assert not math.isfinite(b)
@@ -105,19 +103,19 @@ def test_losses_norms_and_skips_match_torchtitans_adamw(runs):
             assert math.isclose(a, b, rel_tol=LOSS_RTOL), (step, a, b)
     assert max(n for s, n in enumerate(norms_t, 1) if s != NAN_STEP) > MAX_NORM
     # the skip, in torchtitan's metrics
-    assert _series(fused, "optimizer/last_step_skipped") == [float(s == NAN_STEP) for s in range(1, STEPS + 1)]
-    assert _series(fused, "optimizer/skipped_steps") == [float(s >= NAN_STEP) for s in range(1, STEPS + 1)]
+    assert H.series(fused, "optimizer/last_step_skipped") == [float(s == NAN_STEP) for s in range(1, STEPS + 1)]
+    assert H.series(fused, "optimizer/skipped_steps") == [float(s >= NAN_STEP) for s in range(1, STEPS + 1)]
     # the same model at the end: step 3 skipped on both sides, the LR schedule advanced on both
     _assert_params_close(fused["params"], torch_run["params"])
-    assert _series(fused, "lr/FusedAdamW") == _series(torch_run, "lr/AdamW")
+    assert H.series(fused, "lr/FusedAdamW") == H.series(torch_run, "lr/AdamW")
 
 
 def test_resume_from_own_checkpoint_is_bitwise(runs):
     _, r = runs
     fused, resumed = r["fused"], r["fused_resume"]
-    assert _series(resumed, "step") == list(range(CKPT + 1, STEPS + 1))
-    assert _series(resumed, "loss_metrics/global_avg_loss") == _series(fused, "loss_metrics/global_avg_loss")[CKPT:]
-    assert _series(resumed, "grad_norm") == _series(fused, "grad_norm")[CKPT:]
+    assert H.series(resumed, "step") == list(range(CKPT + 1, STEPS + 1))
+    assert H.series(resumed, "loss_metrics/global_avg_loss") == H.series(fused, "loss_metrics/global_avg_loss")[CKPT:]
+    assert H.series(resumed, "grad_norm") == H.series(fused, "grad_norm")[CKPT:]
     for name, p in fused["params"].items():
         assert torch.equal(p, resumed["params"][name]), name
 
@@ -128,17 +126,17 @@ def test_checkpoints_interchange_with_torchtitans_adamw(runs):
     _assert_params_close(r["fused_from_torch"]["params"], r["torch"]["params"])
     _assert_params_close(r["torch_from_fused"]["params"], r["torch"]["params"])
     for name in ("fused_from_torch", "torch_from_fused"):
-        for a, b in zip(_series(r[name], "loss_metrics/global_avg_loss"),
-                        _series(r["torch"], "loss_metrics/global_avg_loss")[CKPT:]):
+        for a, b in zip(H.series(r[name], "loss_metrics/global_avg_loss"),
+                        H.series(r["torch"], "loss_metrics/global_avg_loss")[CKPT:]):
             assert math.isclose(a, b, rel_tol=LOSS_RTOL), (name, a, b)
 
 
 def test_compiled_model_and_loss(runs):
     _, r = runs
     compiled, eager = r["fused_compiled"], r["fused_resume"]
-    assert _series(compiled, "step") == list(range(CKPT + 1, STEPS + 1))
+    assert H.series(compiled, "step") == list(range(CKPT + 1, STEPS + 1))
     for key in ("loss_metrics/global_avg_loss", "grad_norm"):
-        for a, b in zip(_series(compiled, key), _series(eager, key)):
+        for a, b in zip(H.series(compiled, key), H.series(eager, key)):
             assert math.isclose(a, b, rel_tol=LOSS_RTOL), (key, a, b)
     _assert_params_close(compiled["params"], eager["params"])
 
@@ -147,9 +145,9 @@ def test_two_rank_checkpoint_resumes_on_one_rank(runs):
     out, r = runs
     run_ranks(_one_rank, 1, out)
     one = load(os.path.join(out, "one_rank"), 1)[0]["fused_one_rank"]
-    assert _series(one, "step") == list(range(CKPT + 1, STEPS + 1))
-    for a, b in zip(_series(one, "loss_metrics/global_avg_loss"),
-                    _series(r["fused"], "loss_metrics/global_avg_loss")[CKPT:]):
+    assert H.series(one, "step") == list(range(CKPT + 1, STEPS + 1))
+    for a, b in zip(H.series(one, "loss_metrics/global_avg_loss"),
+                    H.series(r["fused"], "loss_metrics/global_avg_loss")[CKPT:]):
         assert math.isclose(a, b, rel_tol=LOSS_RTOL), (a, b)
     _assert_params_close(one["params"], r["fused"]["params"])
 

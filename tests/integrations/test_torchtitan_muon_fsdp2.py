@@ -78,19 +78,16 @@ def runs(tmp_path_factory):
     return out, load(out, 1)[0]
 
 
-_series = H.series
-
-
 def test_muon_groups_train_under_fsdp2_with_the_skip_and_the_clip(runs):
     _, r = runs
     run = r["muon"]
-    assert _series(run, "step") == list(range(1, STEPS + 1))
-    losses = _series(run, "loss_metrics/global_avg_loss")
+    assert H.series(run, "step") == list(range(1, STEPS + 1))
+    losses = H.series(run, "loss_metrics/global_avg_loss")
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
-    norms = _series(run, "grad_norm")
+    norms = H.series(run, "grad_norm")
     assert not math.isfinite(norms[NAN_STEP - 1])
     assert max(n for s, n in enumerate(norms, 1) if s != NAN_STEP) > MAX_NORM  # the clip was active
-    assert _series(run, "optimizer/last_step_skipped") == [float(s == NAN_STEP) for s in range(1, STEPS + 1)]
+    assert H.series(run, "optimizer/last_step_skipped") == [float(s == NAN_STEP) for s in range(1, STEPS + 1)]
     for name, p in run["params"].items():
         assert torch.isfinite(p).all(), name
 
@@ -110,9 +107,9 @@ def test_the_groups_build_one_fused_muon_over_both_kinds_of_parameter():
 def test_resume_from_own_checkpoint_is_bitwise(runs):
     _, r = runs
     run, resumed = r["muon"], r["muon_resume"]
-    assert _series(resumed, "step") == list(range(CKPT + 1, STEPS + 1))
-    assert _series(resumed, "loss_metrics/global_avg_loss") == _series(run, "loss_metrics/global_avg_loss")[CKPT:]
-    assert _series(resumed, "grad_norm") == _series(run, "grad_norm")[CKPT:]
+    assert H.series(resumed, "step") == list(range(CKPT + 1, STEPS + 1))
+    assert H.series(resumed, "loss_metrics/global_avg_loss") == H.series(run, "loss_metrics/global_avg_loss")[CKPT:]
+    assert H.series(resumed, "grad_norm") == H.series(run, "grad_norm")[CKPT:]
     for name, p in run["params"].items():
         assert torch.equal(p, resumed["params"][name]), name
 
@@ -121,9 +118,9 @@ def test_two_rank_checkpoint_resumes_on_one_rank(runs):
     out, r = runs
     run_ranks(_one_rank, 1, out)
     one = load(os.path.join(out, "one_rank"), 1)[0]["muon_one_rank"]
-    assert _series(one, "step") == list(range(CKPT + 1, STEPS + 1))
-    for a, b in zip(_series(one, "loss_metrics/global_avg_loss"),
-                    _series(r["muon"], "loss_metrics/global_avg_loss")[CKPT:]):
+    assert H.series(one, "step") == list(range(CKPT + 1, STEPS + 1))
+    for a, b in zip(H.series(one, "loss_metrics/global_avg_loss"),
+                    H.series(r["muon"], "loss_metrics/global_avg_loss")[CKPT:]):
         assert math.isclose(a, b, rel_tol=LOSS_RTOL), (a, b)
     for name, p in r["muon"]["params"].items():
         torch.testing.assert_close(one["params"][name], p, rtol=0, atol=PARAM_ATOL, msg=lambda m: f"{name}: {m}")
