@@ -7,6 +7,9 @@
 2. The fused optimizer: the same MLP in bf16 trained by the torch recipe (an fp32 master copy, clip_grad_norm_,
    AdamW, copy back) and by ``ampfused.FusedAdamW`` (fp32 masters kept inside, clip folded into the step).
 3. The one thing torch's scaler refuses to do: unscaling fp16 gradients.
+4. Training health: the bf16 MLP trained by ``FusedAdamW(health=True)``, two param groups (the hidden layer, the
+   head at a tenth of the lr); each group's update-to-weight ratio, gradient norm and stagnant updates beside the
+   loss, from the step's own sums (``--plot FILE`` draws the ratios beside the loss).
 """
 from __future__ import annotations
 
@@ -157,6 +160,48 @@ def _fp16_unscale() -> None:
               f"{torch.equal(p.grad, exact)}")
 
 
+def _health(model: torch.nn.Module, steps: int, every: int, plot: str = "") -> bool:
+    """FusedAdamW(health=True) on the bf16 MLP: per group, the update-to-weight ratio beside the loss. Its
+    numbers come from the step's own sums, on the reference backend (the native ones do not compute them yet)."""
+    model = copy.deepcopy(model).bfloat16()
+    groups = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters()), "lr": 3e-4}]
+    opt = ampfused.FusedAdamW(groups, lr=3e-3, weight_decay=0.01, backend="reference", health=True)
+    names = ("hidden", "head")
+    print(f"{'step':>5} | {'loss':>8} | " + " | ".join(f"{n + ' update/weight':>20} {'grad norm':>9} {'stagnant':>8}"
+                                                      for n in names))
+    losses, ratios = [], {n: [] for n in names}
+    for i in range(steps):
+        x, y = _batch(i)
+        model.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+        loss.backward()
+        opt.step()
+        h = opt.health()  # device tensors, read here for the table
+        losses.append(loss.item())
+        for n, g in zip(names, h):
+            ratios[n].append(float(g["update_norm"] / g["weight_norm"]))
+        if i % every == 0 or i == steps - 1:
+            print(f"{i:>5} | {losses[-1]:>8.5f} | " + " | ".join(
+                f"{ratios[n][-1]:>20.2e} {float(g['grad_norm']):>9.4f} {int(g['stagnant']):>8}"
+                for n, g in zip(names, h)))
+    if plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+        left.plot(losses)
+        left.set(title="loss", xlabel="step", yscale="log")
+        for n in names:
+            right.plot(ratios[n], label=n)
+        right.set(title="update norm / weight norm", xlabel="step", yscale="log")
+        right.legend()
+        fig.tight_layout()
+        fig.savefig(plot)
+        plt.close(fig)
+        print(f"\nplotted to {plot}")
+    return all(r > 0 for n in names for r in ratios[n]) and losses[-1] < losses[0]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ampfused.demo", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
@@ -165,6 +210,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-norm", type=float, default=100.0,
                     help="clip threshold (the default guards against spikes and is not reached here, so the two "
                          "runs stay bitwise identical; try 0.5 to see a clip that bites)")
+    ap.add_argument("--plot", default="", help="part 4: draw the update-to-weight ratios beside the loss into this "
+                                               "image file (needs matplotlib)")
     args = ap.parse_args(argv)
     kw = dict(init_scale=2.0**14, growth_interval=25)
     model = _model(args.width)
@@ -187,7 +234,9 @@ def main(argv=None) -> int:
     fused_ok = _fused_against_recipe(_model(args.width), args.steps, args.every, args.max_norm)
     print("\n3. fp16 gradients\n")
     _fp16_unscale()
-    return 1 if verdict == "mismatch" or not fused_ok else 0
+    print("\n4. training health: FusedAdamW(health=True), per param group\n")
+    health_ok = _health(_model(args.width), args.steps, args.every, args.plot)
+    return 1 if verdict == "mismatch" or not fused_ok or not health_ok else 0
 
 
 if __name__ == "__main__":

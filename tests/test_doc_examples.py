@@ -39,7 +39,8 @@ EXAMPLES = {
                     ("from ampfused.policies import HysteresisPolicy", "here"),
                     ('@ampfused.register_scale_policy("overflow_rate")', "here"),
                     ("guard = ampfused.SpikeGuard(", "here"), ("tokens = torch.zeros(", "here"),
-                    ("if step % 100 == 0:", "here")],
+                    ("if step % 100 == 0:", "here"),
+                    ("opt = ampfused.FusedAdamW(model.parameters(), lr=1e-3, b", "here")],
     "docs/checkpoints.md": [("import torch", "here"),
                             ("import torch.distributed.checkpoint as dcp", "tests/distributed/test_dist_readme.py")],
     "docs/cuda-graphs.md": [("opt = ampfused.FusedAdamW(", "here, on a GPU")],
@@ -223,6 +224,16 @@ def test_api_own_policy(monkeypatch):
     sd = scaler.state_dict()
     assert sd["scale"] == 2.0 ** 15  # backed off once
     assert abs(sd["policy.overflow_rate.rate"] - 0.1 * 0.9) < 1e-6  # the moving average saw it, one step ago
+
+
+def test_api_health():
+    model = _model(torch.bfloat16)
+    x, y = _batches(1, torch.bfloat16)[0]
+    ns = dict(ampfused=ampfused, model=model, x=x, loss_fn=lambda out: _loss_fn(out, y))
+    exec(example("docs/api.md", "opt = ampfused.FusedAdamW(model.parameters(), lr=1e-3, b"), ns)
+    h = ns["h"]
+    assert set(h) == {"grad_norm", "update_norm", "weight_norm", "stagnant", "nonfinite"}
+    assert 0 < float(ns["ratio"]) < 1e-2 and float(h["grad_norm"]) > 0
 
 
 def test_api_spike_guard():

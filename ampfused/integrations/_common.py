@@ -1,9 +1,10 @@
-"""What every framework integration shares: finding the fused optimizer behind a framework's wrapper, and a
-gradient clip folded into that optimizer's next step (after the scaler has unscaled, where there is one)."""
+"""What every framework integration shares: finding the fused optimizer behind a framework's wrapper, a
+gradient clip folded into that optimizer's next step (after the scaler has unscaled, where there is one), and its
+training-health numbers as the flat metrics a framework logs."""
 from __future__ import annotations
 
 import warnings
-from typing import Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -25,6 +26,23 @@ def fused_optimizer(optimizer) -> Optional[torch.optim.Optimizer]:
         optimizer = next((getattr(optimizer, a) for a in _WRAPPED if isinstance(getattr(optimizer, a, None),
                                                                                torch.optim.Optimizer)), None)
     return None
+
+
+def health_metrics(optimizers: Sequence[torch.optim.Optimizer], prefix: str = "health") -> Dict[str, Tensor]:
+    """The last step's training-health numbers of those of ``optimizers`` built with ``health=True`` (through
+    framework wrappers), as flat metrics: ``{prefix}/group{i}/{name}`` per param group ``i`` (``{prefix}/opt{k}/
+    group{i}/{name}`` where several optimizers have them), ``name`` each key of ``opt.health()`` and
+    ``update_to_weight`` (the update's norm over the weights'). Values are 0-d fp32 device tensors: nothing is
+    read until the framework logs them."""
+    fused = [f for f in (fused_optimizer(o) for o in optimizers) if f is not None and f.health_enabled]
+    out: Dict[str, Tensor] = {}
+    for k, opt in enumerate(fused):
+        where = prefix if len(fused) == 1 else f"{prefix}/opt{k}"
+        for gi, h in enumerate(opt.health()):
+            for name, v in h.items():
+                out[f"{where}/group{gi}/{name}"] = v.float()
+            out[f"{where}/group{gi}/update_to_weight"] = h["update_norm"] / h["weight_norm"]
+    return out
 
 
 def _with_grads(params: Iterable[Tensor]) -> List[Tensor]:

@@ -20,7 +20,7 @@ from typing import Optional, Union
 import torch
 
 from ..scaler import GradScaler
-from ._common import fold_clip, fused_optimizer, unscale_once
+from ._common import fold_clip, fused_optimizer, health_metrics, unscale_once
 
 
 def _lightning():
@@ -56,6 +56,11 @@ def plugin_class(mixed_precision: type, algorithm: type, module: str = __name__)
         read of the gradients as the inf check. Clipping by value has no fused form: after the unscale it runs
         ``torch.nn.utils.clip_grad_value_``, a pass of its own. Optimizers that are not ampfused's are clipped as
         Lightning's ``MixedPrecision`` clips them.
+
+        A fused optimizer built with ``health=True`` has its training-health numbers logged after each of its
+        steps (``health/group{i}/grad_norm``, ``update_norm``, ``weight_norm``, ``update_to_weight``,
+        ``stagnant``, ``nonfinite``), through the LightningModule's ``log_dict`` (device tensors, read when
+        Lightning's loggers write).
         """
 
         def __init__(self, precision: str, device: Optional[str] = None,
@@ -81,6 +86,13 @@ def plugin_class(mixed_precision: type, algorithm: type, module: str = __name__)
                     if self._own_scaler and self.scaler is not None:
                         self.scaler = GradScaler(where)
             return super().connect(model, optimizers, lr_schedulers)
+
+        def optimizer_step(self, optimizer, model, closure, **kwargs):
+            out = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            metrics = health_metrics([optimizer])
+            if metrics and callable(getattr(model, "log_dict", None)) and getattr(model, "_trainer", None) is not None:
+                model.log_dict(metrics, on_step=True, on_epoch=False)
+            return out
 
         def clip_gradients(self, optimizer, clip_val: Union[int, float] = 0.0,
                            gradient_clip_algorithm=algorithm.NORM) -> None:

@@ -15,7 +15,8 @@ constructs its owner):
   ``fused_config(recipe())`` over an existing recipe): hands
   ``training.max_norm`` to the optimizers' ``max_grad_norm`` and turns torchtitan's own clip pass off; the norm
   its metrics log is the fused step's ``last_grad_norm`` (a device tensor, read only when torchtitan logs), and
-  every log line carries ``optimizer/skipped_steps`` and ``optimizer/last_step_skipped``.
+  every log line carries ``optimizer/skipped_steps`` and ``optimizer/last_step_skipped`` (and, with
+  ``FusedOptimizersContainer.Config(health=True)``, the training-health numbers ``health/group{i}/...``).
 
 torchtitan 0.3.0 clips in ``Trainer.train_step`` through ``dist_utils.clip_grad_norm_`` with no setting that
 turns the pass off (``max_norm=inf`` still reads the gradients for the norm and scales them by one), so during
@@ -39,6 +40,7 @@ from torchtitan.trainer import Trainer
 from ..optim import FusedAdam, FusedAdamW, FusedMuon
 from ..optim import _params as P
 from ..optim.muon import uses_muon
+from ._common import health_metrics
 
 _FACTORIES = {"AdamW": FusedAdamW, "Adam": FusedAdam, "Muon": FusedMuon}
 
@@ -93,6 +95,10 @@ class FusedOptimizersContainer(OptimizersContainer):
         backend: Optional[str] = None
         """Force one ampfused backend (``"cuda"``, ``"triton"``, ``"cpu"``, ``"reference"``); None picks."""
 
+        health: bool = False
+        """Build the fused optimizers with ``health=True``: a ``FusedTrainer`` logs each param group's gradient,
+        update and weight norms, stagnant and non-finite counts (``docs/api.md``, "Training health")."""
+
     def __init__(self, config: Config, *, model_parts: List[torch.nn.Module]) -> None:
         P.check_max_grad_norm(config.max_grad_norm, " in FusedOptimizersContainer.Config")
         for pg in config.param_groups:
@@ -112,7 +118,8 @@ class FusedOptimizersContainer(OptimizersContainer):
                              "'AdamW' groups are folded into the 'Muon' groups' FusedMuon; give its arguments under "
                              "'Muon'")
         built = _built_names(names)
-        fused_kwargs: Dict[str, Any] = {"max_grad_norm": config.max_grad_norm, "backend": config.backend}
+        fused_kwargs: Dict[str, Any] = {"max_grad_norm": config.max_grad_norm, "backend": config.backend,
+                                        "health": config.health}
         if config.max_grad_norm is not None and len(model_parts) * len(built) > 1:
             raise ValueError(f"FusedOptimizersContainer: max_grad_norm clips by the norm of every gradient, which "
                              f"one fused optimizer per rank measures; this configuration builds "
@@ -176,6 +183,11 @@ class FusedOptimizersContainer(OptimizersContainer):
         skipped = sum(o.stats()["skipped_overflow"] for o in self.optimizers)
         last = torch.stack([o.last_step_skipped for o in self.optimizers]).any()
         return {"optimizer/skipped_steps": skipped, "optimizer/last_step_skipped": last}
+
+    def health_metrics(self) -> Dict[str, torch.Tensor]:
+        """The fused optimizers' training-health numbers of the last step as flat metrics (device tensors; empty
+        unless built with ``health=True``)."""
+        return health_metrics(self.optimizers)
 
     # --- checkpoints: torch's keys, this run's clip -------------------------------------------------------
     def _torch_keys(self, optim) -> Dict[str, Any]:
@@ -294,6 +306,7 @@ class FusedTrainer(Trainer):
         def log_with_skips(*args, extra_metrics=None, **kwargs):
             extra = dict(extra_metrics or {})
             extra.update({k: float(v) for k, v in self.optimizers.skip_metrics().items()})
+            extra.update({k: float(v) for k, v in self.optimizers.health_metrics().items()})
             return log(*args, extra_metrics=extra, **kwargs)
 
         metrics.log = log_with_skips  # read at logging only, where torchtitan reads the loss and norm too

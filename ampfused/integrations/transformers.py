@@ -16,10 +16,17 @@ cost of one host read per optimizer step.
 The optimizer can be given built (``optimizers=(FusedAdamW(model.parameters(), ...), None)``) or by class
 (``optimizer_cls_and_kwargs=(FusedAdamW, {...})``, transformers >= 4.45), in which case the ``Trainer`` builds it
 with its weight-decay groups. Tested with transformers 5.23 (accelerate 1.15).
+
+A fused optimizer built with ``health=True`` adds its training-health numbers to every training log line
+(``health/group{i}/grad_norm``, ``update_norm``, ``weight_norm``, ``update_to_weight``, ``stagnant``,
+``nonfinite``: the last step's, read when the ``Trainer`` logs).
 """
 from __future__ import annotations
 
+import functools
+
 from . import accelerate as _accelerate_integration
+from ._common import health_metrics
 
 __all__ = ["fuse"]
 
@@ -43,4 +50,15 @@ def fuse(trainer, *, exact_skips: bool = False, scaler="ampfused"):
     if not isinstance(exact_skips, bool):
         raise TypeError(f"exact_skips must be a bool, got {type(exact_skips).__name__}")
     _accelerate_integration.fuse(trainer.accelerator, scaler=scaler, report_skips=exact_skips)
+    if not getattr(trainer.log, "_ampfused_health", False):
+        log = trainer.log
+
+        @functools.wraps(log)
+        def log_with_health(logs, *args, **kwargs):
+            if "loss" in logs and trainer.optimizer is not None:  # a training log line: the last step's numbers
+                logs.update({k: float(v) for k, v in health_metrics([trainer.optimizer]).items()})
+            return log(logs, *args, **kwargs)
+
+        log_with_health._ampfused_health = True
+        trainer.log = log_with_health
     return trainer

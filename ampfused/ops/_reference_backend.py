@@ -28,6 +28,7 @@ class ReferenceBackend(Backend):
     name = "reference"
     devices = ("cpu", "cuda", "meta", "mps", "xpu")
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    takes_health = True
 
     num_partials = staticmethod(reference.num_partials)
     norm_check = staticmethod(reference.norm_check)
@@ -40,6 +41,8 @@ class ReferenceBackend(Backend):
             raise TypeError(f"the reference backend takes a step's tensors, without options (got "
                             f"{'a table' if call.table is not None else sorted(call.options)})")
         if call.shard is not None:
+            if call.health is not None:
+                raise NotImplementedError("the health sums of a step in phases over shards are not computed")
             phase, sums = call.shard
             shard_function(call.spec.name)(*call.op_args(), **call.compact_kwargs(), phase=phase, shard=sums)
             return

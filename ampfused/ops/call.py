@@ -8,7 +8,9 @@ tensor table (``table``: ``(address, rows, array[, stamps])``, written by ``ampf
 every parameter and gradient of dtype ``dtype``; only for a backend with ``takes_tables``; a split step's table
 call carries the tensors too, for the function between its passes). A factored step over
 the shards of parameters split over ranks runs in phases: ``shard`` is ``(phase, ShardSums)``
-(:class:`ampfused.ops.factored.ShardSums`), from the tensors.
+(:class:`ampfused.ops.factored.ShardSums`), from the tensors. ``health`` (fp64 ``[5]``, optional; only for a
+backend with ``takes_health``) receives the step's training-health sums
+(:class:`ampfused.ops.reference_common.HealthSums`).
 """
 from __future__ import annotations
 
@@ -21,13 +23,13 @@ from .specs import OpSpec
 
 class StepCall:
     __slots__ = ("spec", "params", "grads", "table", "dtype", "master", "states", "steps", "partials", "inv_scale",
-                 "lr", "out_stats", "hyper", "seed", "state_scales", "options", "shard")
+                 "lr", "out_stats", "hyper", "seed", "state_scales", "options", "shard", "health")
 
     def __init__(self, spec: OpSpec, *, master: Optional[Tensor], states: Dict[str, Optional[Tensor]],
                  steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
                  hyper: Dict[str, object], params=None, grads=None, table: Optional[tuple] = None, dtype=None,
                  seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None,
-                 options: Optional[dict] = None, shard: Optional[tuple] = None):
+                 options: Optional[dict] = None, shard: Optional[tuple] = None, health: Optional[Tensor] = None):
         self.spec = spec
         self.params, self.grads, self.table, self.dtype = params, grads, table, dtype
         self.master, self.states = master, states
@@ -36,6 +38,7 @@ class StepCall:
         self.seed, self.state_scales = seed, state_scales
         self.options = options or {}
         self.shard = shard
+        self.health = health
 
     @classmethod
     def of_op(cls, spec: OpSpec, args: tuple, kw: dict) -> "StepCall":
@@ -71,6 +74,8 @@ class StepCall:
             kw["seed"] = self.seed
         if self.state_scales is not None:
             kw["state_scales"] = self.state_scales
+        if self.health is not None:
+            kw["health"] = self.health
         return kw
 
     def used_states(self) -> List[Tuple[str, Optional[Tensor]]]:
@@ -122,7 +127,7 @@ class StepCall:
         """What the step writes (the parameters that have a gradient among them), for version counters."""
         out = [p for p, g in zip(self.params, self.grads) if g is not None] if self.params is not None else []
         out += [t for t in (self.master, *(t for _, t in self.used_states()), self.steps, self.out_stats,
-                            self.state_scales) if t is not None]
+                            self.state_scales, self.health) if t is not None]
         if self.shard is not None:
             out += self.shard[1].written
         return out

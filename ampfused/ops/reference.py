@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 
 from .._floats import fp32
-from .reference_common import (STATE_ALIGN, _Compact, _commit, _prologue, clip_coef,  # noqa: F401
-                               memory_view, reduce_partials, sqrt_rn, state_layout)
+from .reference_common import (STATE_ALIGN, _Compact, _commit, _prologue, check_health, clip_coef,  # noqa: F401
+                               memory_view, moved, reduce_partials, sqrt_rn, state_layout)
 
 
 def num_partials(numels: List[int]) -> int:
@@ -181,7 +181,7 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
                exp_avg_sq: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor,
                beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float,
                decoupled: bool, maximize: bool = False, seed: Optional[Tensor] = None,
-               state_scales: Optional[Tensor] = None) -> None:
+               state_scales: Optional[Tensor] = None, health: Optional[Tensor] = None) -> None:
     """One Adam (``decoupled=False``, L2 decay) or AdamW (``decoupled=True``) step over a list of parameters.
 
     With ``c = inv_scale * min(1, max_norm / (norm + 1e-6))`` and, for each parameter ``i`` that has a
@@ -221,21 +221,29 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
     holds each block's scale; a moment is decoded with its blocks' scales, and stored as the codes of its new
     value (stochastic rounding, streams 1, 2) with each block's new scale, taken from the block's largest new
     value.
+
+    ``health`` (fp64 ``[5]``, optional): receives the step's training-health sums
+    (:class:`~ampfused.ops.reference_common.HealthSums`; the update ``w * (1 - lr * weight_decay) - term``).
     """
-    cx = _Compact(params, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], seed, state_scales)
+    check_health(health, inv_scale)
+    cx = _Compact(params, master, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], seed, state_scales, health,
+                  inv_scale)
     cd = cx.cd
     coef, skip = _prologue(partials, inv_scale, max_norm, out_stats, cd)
+    cx.start(skip)
     lr_c = lr.to(cd)
     for i, pm, gm, w_buf, sl in _tensors_to_update(params, grads, master, cx.align):
+        cx.gradient(gm)
         m_buf, v_buf = exp_avg[sl], exp_avg_sq[sl]
         w, m, v = cx.load_weight(pm, w_buf), cx.load_state(m_buf, 0, sl), cx.load_state(v_buf, 1, sl)
         g = gm.to(cd) * coef
         if maximize:
             g = -g
         t = steps[i].to(cd) + 1
-        w_new = w
+        w_new, decaying = w, None
         if weight_decay != 0:
             if decoupled:
+                decaying = lr_c
                 w_new = w * (1 - lr_c * weight_decay)
             else:
                 g = g + weight_decay * w
@@ -245,24 +253,26 @@ def adam_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
         bc2_sqrt = sqrt_rn(bias_correction(beta2, t))
         step_size = lr_c / bias_correction(beta1, t) * bc2_sqrt
         denom = sqrt_rn(v_new) + eps * bc2_sqrt
-        w_new = w_new - step_size * m_new / denom
+        term = step_size * m_new / denom
+        w_new = w_new - term
         _commit(skip, cx.state_pairs(m_buf, m_new, 0, t, sl) + cx.state_pairs(v_buf, v_new, 1, t, sl)
-                + cx.weight_pairs(pm, w_buf, w_new, t, sl))
+                + cx.weight_pairs(pm, w_buf, w_new, t, sl, lambda w0: moved(w0, decaying, term)))
         steps[i] += (~skip).to(steps.dtype)
 
 
 def adamw_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
-                beta1, beta2, eps, weight_decay, max_norm, maximize=False, seed=None, state_scales=None) -> None:
+                beta1, beta2, eps, weight_decay, max_norm, maximize=False, seed=None, state_scales=None,
+                health=None) -> None:
     """AdamW (decoupled weight decay); see :func:`adam_step_`."""
     adam_step_(params, grads, master, exp_avg, exp_avg_sq, steps, partials, inv_scale, lr, out_stats,
-               beta1, beta2, eps, weight_decay, max_norm, True, maximize, seed, state_scales)
+               beta1, beta2, eps, weight_decay, max_norm, True, maximize, seed, state_scales, health)
 
 
 def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor],
               momentum_buf: Optional[Tensor], steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
               out_stats: Tensor, momentum: float, dampening: float, weight_decay: float, nesterov: bool,
               max_norm: float, maximize: bool = False, seed: Optional[Tensor] = None,
-              state_scales: Optional[Tensor] = None) -> None:
+              state_scales: Optional[Tensor] = None, health: Optional[Tensor] = None) -> None:
     """One SGD step with torch's semantics over a list of parameters (layout as :func:`adam_step_`).
 
     For each parameter ``i`` with a gradient::
@@ -274,13 +284,18 @@ def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optio
 
     ``momentum_buf`` is required (a flat buffer like the master) when ``momentum != 0``, else ignored.
     Compact state as :func:`adam_step_` (a bf16 or uint8 ``momentum_buf`` is stored with stream 1, its 8-bit
-    codes signed, its block scales in ``state_scales[0]``); ``t = steps[i] + 1`` keys the draws.
+    codes signed, its block scales in ``state_scales[0]``); ``t = steps[i] + 1`` keys the draws. ``health`` as
+    :func:`adam_step_` (the update ``w - lr * g``).
     """
-    cx = _Compact(params, master, [("momentum_buf", momentum_buf if momentum != 0 else None)], seed, state_scales)
+    check_health(health, inv_scale)
+    cx = _Compact(params, master, [("momentum_buf", momentum_buf if momentum != 0 else None)], seed, state_scales,
+                  health, inv_scale)
     cd = cx.cd
     coef, skip = _prologue(partials, inv_scale, max_norm, out_stats, cd)
+    cx.start(skip)
     lr_c = lr.to(cd)
     for i, pm, gm, w_buf, sl in _tensors_to_update(params, grads, master, cx.align):
+        cx.gradient(gm)
         w = cx.load_weight(pm, w_buf)
         t = steps[i].to(cd) + 1
         g = gm.to(cd) * coef
@@ -294,15 +309,17 @@ def sgd_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optio
             b_new = torch.where(steps[i] == 0, g, cx.load_state(b_buf, 0, sl) * momentum + (1 - dampening) * g)
             pairs += cx.state_pairs(b_buf, b_new, 0, t, sl)
             g = g + momentum * b_new if nesterov else b_new
-        w_new = w - lr_c * g
-        _commit(skip, pairs + cx.weight_pairs(pm, w_buf, w_new, t, sl))
+        term = lr_c * g
+        w_new = w - term
+        _commit(skip, pairs + cx.weight_pairs(pm, w_buf, w_new, t, sl, lambda w0: moved(w0, None, term)))
         steps[i] += (~skip).to(steps.dtype)
 
 
 def lion_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Optional[Tensor], exp_avg: Tensor,
                steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor, out_stats: Tensor, beta1: float,
                beta2: float, weight_decay: float, max_norm: float, maximize: bool = False,
-               seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None) -> None:
+               seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None,
+               health: Optional[Tensor] = None) -> None:
     """One Lion step (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") over a list of
     parameters (layout as :func:`adam_step_`). For each parameter ``i`` with a gradient, ``w`` its master (or
     the parameter itself), ``m`` its ``exp_avg`` slice::
@@ -318,14 +335,19 @@ def lion_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
     :func:`lerp` (torch's two forms, no fused multiply-add). ``steps`` is not in the math: it keys the
     stochastic rounding's draws (``t = steps[i] + 1``). Compact state as :func:`adam_step_` with one moment:
     a bf16 or uint8 ``exp_avg`` is stored with stream 1, its 8-bit codes signed, its block scales in
-    ``state_scales[0]`` (``[1, blocks]``).
+    ``state_scales[0]`` (``[1, blocks]``). ``health`` as :func:`adam_step_` (the update
+    ``w * (1 - lr * weight_decay) - lr * u``).
     """
-    cx = _Compact(params, master, [("exp_avg", exp_avg)], seed, state_scales)
+    check_health(health, inv_scale)
+    cx = _Compact(params, master, [("exp_avg", exp_avg)], seed, state_scales, health, inv_scale)
     cd = cx.cd
     coef, skip = _prologue(partials, inv_scale, max_norm, out_stats, cd)
+    cx.start(skip)
     lr_c = lr.to(cd)
     decay = 1 - lr_c * weight_decay if weight_decay != 0 else None
+    decaying = lr_c if weight_decay != 0 else None
     for i, pm, gm, w_buf, sl in _tensors_to_update(params, grads, master, cx.align):
+        cx.gradient(gm)
         m_buf = exp_avg[sl]
         w, m = cx.load_weight(pm, w_buf), cx.load_state(m_buf, 0, sl)
         g = gm.to(cd) * coef
@@ -334,7 +356,9 @@ def lion_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
         t = steps[i].to(cd) + 1
         c = lerp(m, g, 1 - beta1)
         u = (c > 0).to(cd) - (c < 0).to(cd)
-        w_new = (w * decay if decay is not None else w) - lr_c * u
+        term = lr_c * u
+        w_new = (w * decay if decay is not None else w) - term
         m_new = lerp(m, g, 1 - beta2)
-        _commit(skip, cx.state_pairs(m_buf, m_new, 0, t, sl) + cx.weight_pairs(pm, w_buf, w_new, t, sl))
+        _commit(skip, cx.state_pairs(m_buf, m_new, 0, t, sl)
+                + cx.weight_pairs(pm, w_buf, w_new, t, sl, lambda w0: moved(w0, decaying, term)))
         steps[i] += (~skip).to(steps.dtype)

@@ -17,7 +17,7 @@ from torch import Tensor
 from .._floats import fp32
 from .factored import (SPLIT_ROWS, ShardSums, factor_dims, factor_layout, factor_size, factor_views,  # noqa: F401
                        factored, shard_sums)
-from .reference_common import _Compact, _commit, _prologue, memory_view, sqrt_rn, state_layout
+from .reference_common import _Compact, _commit, _prologue, check_health, memory_view, moved, sqrt_rn, state_layout
 
 EPS1_DEFAULT = float(torch.finfo(torch.float32).eps)  # eps=(None, ...): the eps of the dtype the math runs in
 
@@ -95,7 +95,7 @@ def adafactor_step_(params: List[Tensor], grads: List[Optional[Tensor]], master:
                     factors: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
                     out_stats: Tensor, beta2_decay: float, eps1: Optional[float], eps2: float, d: float,
                     weight_decay: float, max_norm: float, maximize: bool = False,
-                    seed: Optional[Tensor] = None) -> None:
+                    seed: Optional[Tensor] = None, health: Optional[Tensor] = None) -> None:
     """One ``torch.optim.Adafactor`` step over a list of parameters, without a host read.
 
     With ``c = inv_scale * min(1, max_norm / (norm + 1e-6))`` and, for each parameter ``i`` with a gradient,
@@ -121,12 +121,15 @@ def adafactor_step_(params: List[Tensor], grads: List[Optional[Tensor]], master:
     :func:`ampfused.ops.reference.adam_step_`. ``factors``: 1-D fp32 (fp64 for the oracle), laid out by
     ``factor_layout([p.shape for p in params])``; rows and columns are indexed by the parameter's logical
     dimensions whatever its memory layout. State precision: an int16 ``master`` (remainders) or no master with
-    a ``seed`` (stochastic rounding, stream 0) as in ``adam_step_``; ``factors`` stay fp32.
+    a ``seed`` (stochastic rounding, stream 0) as in ``adam_step_``; ``factors`` stay fp32. ``health`` as
+    ``adam_step_`` (the update ``w * (1 - lr * weight_decay) - step * u``).
     """
-    st = _Setup(params, master, seed, partials, inv_scale, max_norm, out_stats, eps1)
+    check_health(health, inv_scale)
+    st = _Setup(params, master, seed, partials, inv_scale, max_norm, out_stats, eps1, health)
     for i, (p, grad) in enumerate(zip(params, grads)):
         if grad is None:
             continue
+        st.cx.gradient(memory_view(grad))
         x = _ParamStep(st, i, p, grad, master, steps, lr, beta2_decay, weight_decay, maximize, factors)
         new_state, v = _second_moment(x.g, x.shape, factors[x.fsl], x.w2, st.eps1)
         u = x.g / sqrt_rn(torch.clamp(v, min=st.eps1_sq))
@@ -139,11 +142,12 @@ class _Setup:
     """What every parameter's step shares: the compact-state helper, the clip coefficient and skip flag, the
     layouts of the weights and the factors, and eps1 (and its square) in the compute dtype."""
 
-    def __init__(self, params, master, seed, partials, inv_scale, max_norm, out_stats, eps1):
-        self.cx = _Compact(params, master, [], seed)
+    def __init__(self, params, master, seed, partials, inv_scale, max_norm, out_stats, eps1, health=None):
+        self.cx = _Compact(params, master, [], seed, health=health, inv_scale=inv_scale)
         self.cd = self.cx.cd
         self.eps1 = EPS1_DEFAULT if eps1 is None else float(eps1)
         self.coef, self.skip = _prologue(partials, inv_scale, max_norm, out_stats, self.cd)
+        self.cx.start(self.skip)
         self.w_offsets, _ = state_layout([p.numel() for p in params], self.cx.align)
         self.f_offsets, _ = factor_layout([tuple(p.shape) for p in params])
         self.eps1_sq = self.eps1 * self.eps1 if self.cd == torch.float64 else fp32(self.eps1 * self.eps1)
@@ -165,6 +169,7 @@ class _ParamStep:
         self.g = g.contiguous()
         self.t = steps[i].float() + 1
         self.w2, self.rho, self.decay = step_scalars(self.t, lr, beta2_decay, weight_decay, st.cd)
+        self.lr = lr
         self.fsl = slice(st.f_offsets[i], st.f_offsets[i] + factor_size(self.shape))
         self.p = p
 
@@ -178,9 +183,12 @@ class _ParamStep:
         # u in the parameter's memory order
         u_mem = memory_view(torch.empty_like(self.p, dtype=st.cd).copy_(u.view(self.shape)))
         w_new = self.w * self.decay if weight_decay != 0 else self.w
-        w_new = w_new - step * u_mem
+        term = step * u_mem
+        w_new = w_new - term
+        decaying = self.lr if weight_decay != 0 else None
         _commit(st.skip, ([] if new_state is None else [(factors[self.fsl], new_state)])
-                + st.cx.weight_pairs(self.pm, self.w_buf, w_new, self.t, self.sl))
+                + st.cx.weight_pairs(self.pm, self.w_buf, w_new, self.t, self.sl,
+                                     lambda w0: moved(w0, decaying, term)))
         steps[self.i] += (~st.skip).to(steps.dtype)
 
 

@@ -7,7 +7,7 @@ their steps from these; the conventions are those of :mod:`ampfused.ops.referenc
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -93,15 +93,88 @@ def _compute_dtype(params: List[Tensor], master: Optional[Tensor]) -> torch.dtyp
     return params[0].dtype if params else torch.float32
 
 
+HEALTH_FIELDS = ("grad_sq", "update_sq", "weight_sq", "stagnant", "nonfinite")
+
+
+def check_health(health: Optional[Tensor], inv_scale: Tensor) -> None:
+    """``health``: None, or the fp64 ``[5]`` tensor (on ``inv_scale``'s device) a step writes its sums to."""
+    if health is None:
+        return
+    if not isinstance(health, Tensor) or health.dtype != torch.float64 or tuple(health.shape) != (5,) \
+            or health.device != inv_scale.device:
+        what = f"{health.dtype} of shape {tuple(health.shape)} on {health.device}" if isinstance(health, Tensor) \
+            else type(health).__name__
+        raise ValueError(f"health must be an fp64 tensor of shape [5] on {inv_scale.device} (the sums "
+                         f"{', '.join(HEALTH_FIELDS)}), got {what}")
+
+
+class HealthSums:
+    """What a step call sums for the training-health numbers (``docs/api.md``, "Training health"), written to
+    ``out`` (fp64 ``[5]``, in the order of ``HEALTH_FIELDS``) over the parameters that have a gradient:
+
+    * ``grad_sq``: ``sum(u * u)`` with ``u = fp32(grad) * inv_scale`` (the unscaled gradient before any clip);
+    * ``update_sq``: ``sum(d * d)`` with ``d = after - before`` in the compute dtype, where ``before`` and
+      ``after`` are the stored weight (the master where there is one, rebuilt from weight and remainder with
+      remainders, else the parameter) as the step found it and left it; 0 on a skipped step;
+    * ``weight_sq``: ``sum(after * after)`` (``before`` on a skipped step);
+    * ``stagnant``: elements with ``after == before`` whose update was not zero (``moved``: a term of the
+      update, decay included, was not zero); 0 on a skipped step;
+    * ``nonfinite``: gradient elements that are inf or NaN.
+
+    Each element's square is formed in fp64 and the sums are fp64 (the fast backends sum fp32 squares per block,
+    within the tolerance rule). ``out=None``: nothing is summed."""
+
+    def __init__(self, out: Optional[Tensor], inv_scale: Tensor):
+        self.out = out
+        self.inv_scale = inv_scale
+        self.skip: Optional[Tensor] = None
+        if out is not None:
+            out.zero_()
+
+    def gradient(self, g: Tensor) -> None:
+        """A gradient the step reads (in any order of its elements)."""
+        if self.out is None:
+            return
+        u = g.to(torch.promote_types(g.dtype, torch.float32)) * self.inv_scale
+        self.out[0] += u.double().square().sum()
+        self.out[4] += (~torch.isfinite(g)).sum()
+
+    def weight(self, before: Tensor, after: Tensor, moved: Tensor) -> None:
+        """A parameter's stored weight before and after the update (compute dtype), and where its update was
+        not zero."""
+        if self.out is None:
+            return
+        skip = self.skip
+        b = before.double()
+        d = (after - before).double()
+        self.out[1] += torch.where(skip, 0.0, d.square().sum())
+        self.out[2] += torch.where(skip, b.square().sum(), after.double().square().sum())
+        self.out[3] += torch.where(skip, 0, ((after == before) & moved).sum())
+
+
+def moved(w: Tensor, decay_lr: Optional[Tensor], term: Tensor) -> Tensor:
+    """Where the update ``w * (1 - lr * weight_decay) - term`` is not zero (``decay_lr``: the lr, when the step
+    decays; None: no decay): its term is not zero, or the weight is not zero and decays by a rate other than 0
+    (whether or not ``1 - lr * weight_decay`` rounds to 1)."""
+    out = term != 0
+    if decay_lr is not None:
+        out = out | ((decay_lr != 0) & (w != 0))
+    return out
+
+
 class _Compact:
     """How one step loads and stores its weights and moments: the state precision of its buffers
-    (:mod:`ampfused.ops.state_precision`). In the fp32 format every method is the plain load or store."""
+    (:mod:`ampfused.ops.state_precision`). In the fp32 format every method is the plain load or store.
+    ``health``: the step's :class:`HealthSums` output (None: no sums), recorded by :meth:`gradient` and
+    :meth:`weight_pairs`."""
 
-    def __init__(self, params, master, states, seed, state_scales=None):
+    def __init__(self, params, master, states, seed, state_scales=None, health: Optional[Tensor] = None,
+                 inv_scale: Optional[Tensor] = None):
         self.fmt = sp.step_format(params, master, states, seed, state_scales)
         self.seed = seed
         self.master = master
         self.scales = state_scales
+        self.health = HealthSums(health, inv_scale) if health is not None else None
         self.align = sp.layout_align(self.fmt)
         self._names = [n for n, t in states if t is not None]
         if self.fmt.master != sp.MASTER_FP32:
@@ -121,16 +194,39 @@ class _Compact:
         r = sp.random_bits(key, torch.arange(sl.start, sl.start + n, dtype=torch.int64, device=t.device))
         return sp.stream_bits(r, stream)
 
-    def weight_pairs(self, pm: Tensor, w: Tensor, w_new: Tensor, t: Tensor, sl: slice) -> list:
-        """``(tensor, new value)`` for the parameter and its master (or remainder) after the update."""
+    def start(self, skip: Tensor) -> None:
+        """The step's skip flag (after its prologue), for the health sums."""
+        if self.health is not None:
+            self.health.skip = skip
+
+    def gradient(self, g: Tensor) -> None:
+        """A gradient the step reads, for the health sums."""
+        if self.health is not None:
+            self.health.gradient(g)
+
+    def weight_pairs(self, pm: Tensor, w: Tensor, w_new: Tensor, t: Tensor, sl: slice,
+                     moved: Optional[Callable[[Tensor], Tensor]] = None) -> list:
+        """``(tensor, new value)`` for the parameter and its master (or remainder) after the update. ``moved``
+        (needed with health sums): a function of the compute copy before the update giving where the update
+        is not zero (:func:`moved`)."""
         if self.fmt.master == sp.MASTER_REMAINDER:
             weight, rem = sp.split_master(w_new)
-            return [(pm, weight), (w, rem)]
-        if self.fmt.master == sp.MASTER_NONE:
-            return [(pm, sp.round_stochastic(w_new, self._rand(sp.STREAM_WEIGHT, t, sl, pm.numel())))]
-        if self.master is not None:
-            return [(w, w_new), (pm, w_new.to(pm.dtype))]
-        return [(w, w_new)]
+            pairs = [(pm, weight), (w, rem)]
+            stored = lambda: sp.join_master(weight, rem)
+        elif self.fmt.master == sp.MASTER_NONE:
+            rounded = sp.round_stochastic(w_new, self._rand(sp.STREAM_WEIGHT, t, sl, pm.numel()))
+            pairs = [(pm, rounded)]
+            stored = lambda: rounded.to(self.cd)
+        elif self.master is not None:
+            pairs = [(w, w_new), (pm, w_new.to(pm.dtype))]
+            stored = lambda: w_new
+        else:
+            pairs = [(w, w_new)]
+            stored = lambda: w_new.to(w.dtype).to(self.cd)
+        if self.health is not None:
+            before = self.load_weight(pm, w)
+            self.health.weight(before, stored(), moved(before))
+        return pairs
 
     def _blocks(self, sl: slice) -> slice:
         """A parameter's blocks of 8-bit codes (its slice starts at a multiple of QBLOCK)."""

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from .reference import _tensors_to_update, lerp
-from .reference_common import (STATE_ALIGN, _commit, _Compact, _prologue, from_logical_, memory_view,
-                               state_layout, to_logical)
+from .reference_common import (STATE_ALIGN, _commit, _Compact, _prologue, check_health, from_logical_, memory_view,
+                               moved, state_layout, to_logical)
 from .state_precision import QBLOCK
 
 
@@ -167,7 +167,8 @@ def muon_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
                momentum_buffer: Tensor, steps: Tensor, partials: Tensor, inv_scale: Tensor, lr: Tensor,
                out_stats: Tensor, momentum: float, nesterov: bool, weight_decay: float, ns_a: float, ns_b: float,
                ns_c: float, eps: float, ns_steps: int, adjust_lr_fn: Optional[str], max_norm: float,
-               seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None) -> None:
+               seed: Optional[Tensor] = None, state_scales: Optional[Tensor] = None,
+               health: Optional[Tensor] = None) -> None:
     """One ``torch.optim.Muon`` step over a list of matrices, without a host read.
 
     With ``c = inv_scale * min(1, max_norm / (norm + 1e-6))`` and, for each parameter ``i`` with a gradient,
@@ -185,16 +186,20 @@ def muon_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
     of more than two dimensions is a stack of matrices over its last two, each orthogonalized on its own (torch's
     Muon refuses them; :class:`ampfused.FusedMuon` takes them when asked). ``steps`` is not in the math: it keys
     the stochastic rounding (``t = steps[i] + 1``). Compact state as :func:`ampfused.ops.reference.adam_step_`
-    with one moment (a bf16 or uint8 ``momentum_buffer``, signed codes, stream 1).
+    with one moment (a bf16 or uint8 ``momentum_buffer``, signed codes, stream 1). ``health`` as
+    :func:`ampfused.ops.reference.adam_step_` (the update ``w * (1 - lr * weight_decay) - lr * ratio * O``).
     """
-    cx = _Compact(params, master, [("momentum_buffer", momentum_buffer)], seed, state_scales)
+    check_health(health, inv_scale)
+    cx = _Compact(params, master, [("momentum_buffer", momentum_buffer)], seed, state_scales, health, inv_scale)
     cd = cx.cd
     coef, skip = _prologue(partials, inv_scale, max_norm, out_stats, cd)
+    cx.start(skip)
     lr64 = lr.double()
     decay = (1.0 - lr64 * weight_decay).to(cd) if weight_decay != 0 else None
     # 1. the momentum and the iteration's input, in memory order; grouped by shape for the iteration
     by_shape: Dict[Tuple[int, ...], list] = {}
     for i, pm, gm, w_buf, sl in _tensors_to_update(params, grads, master, cx.align):
+        cx.gradient(gm)
         m_buf = momentum_buffer[sl]
         g = gm.to(cd) * coef
         m_new = lerp(cx.load_state(m_buf, 0, sl), g, 1 - momentum)
@@ -217,8 +222,11 @@ def muon_step_(params: List[Tensor], grads: List[Optional[Tensor]], master: Opti
             o = torch.empty_like(params[i], dtype=cd)
             o.copy_(ortho[k * per:(k + 1) * per].reshape(shape))
             w = cx.load_weight(pm, w_buf)
-            w_new = (w * decay if decay is not None else w) - step * memory_view(o)
-            _commit(skip, cx.state_pairs(m_buf, m_new, 0, t, sl) + cx.weight_pairs(pm, w_buf, w_new, t, sl))
+            term = step * memory_view(o)
+            w_new = (w * decay if decay is not None else w) - term
+            _commit(skip, cx.state_pairs(m_buf, m_new, 0, t, sl)
+                    + cx.weight_pairs(pm, w_buf, w_new, t, sl,
+                                      lambda w0: moved(w0, lr if decay is not None else None, term)))
             steps[i] += (~skip).to(steps.dtype)
 
 

@@ -38,6 +38,7 @@ class Backend:
     """Base class. Subclasses set the attributes and implement the ops of ``reference``."""
 
     takes_tables = False  # the fused optimizers' tables: norm_check_tables and steps from a table, see cpu.py
+    takes_health = False  # a step call's health sums (StepCall.health)
 
     name: str = ""
     devices: tuple = ()

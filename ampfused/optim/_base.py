@@ -41,6 +41,65 @@ def _on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
     return t if t is None or t.device == device else t.to(device, non_blocking=True)
 
 
+class _Health:
+    """The health sums of a fused optimizer's last step (``health=True``): an fp64 ``[segments, 5]`` buffer on the
+    device (``HEALTH_FIELDS`` per row), each segment's K2 writing its row (``row(seg)``, read by ``_step_call``),
+    and which param group each row belongs to."""
+
+    def __init__(self):
+        self.sums: Optional[Tensor] = None
+        self.rows: Dict[int, Tensor] = {}
+        self.groups: List[int] = []
+        self.segments = None
+
+    def row(self, seg) -> Optional[Tensor]:
+        return self.rows.get(id(seg))
+
+    def prepare(self, opt, batch: _Batch) -> None:
+        """Rows for this step's segments, zeroed (a segment without a gradient sums nothing); the step's
+        backends checked first: each must compute the sums (``takes_health``), on plain (not DTensor) parameters,
+        eagerly."""
+        segs = opt._segs
+        if torch.compiler.is_compiling():
+            raise RuntimeError(f"{type(opt).__name__}(health=True): a compiled step does not compute the health "
+                               "sums yet; compile the model and leave step() eager, or build it with health=False")
+        if segs.shard_groups:
+            raise RuntimeError(f"{type(opt).__name__}(health=True) with FSDP2 (DTensor) parameters: the per-group "
+                               "sums are not reduced across ranks yet; build it with health=False")
+        for si, seg in enumerate(segs.segments):
+            if batch.segment_empty(si):
+                continue
+            if batch.tables:
+                backend = batch.backend
+            else:
+                backend = ops.registry.get_backend(opt._backend_name(seg, batch.per_segment[si]))
+            if not backend.takes_health:
+                raise RuntimeError(f"{type(opt).__name__}(health=True): param_groups[{seg.group_index}] steps on "
+                                   f"the {backend.name!r} backend, which does not compute the health sums yet; "
+                                   "the 'reference' backend does (backend='reference')")
+        device = opt._device
+        if self.segments is not segs.segments or self.sums is None or self.sums.device != device:
+            self.segments = segs.segments
+            self.sums = torch.zeros(len(self.segments), 5, dtype=torch.float64, device=device)
+            self.rows = {id(seg): self.sums[si] for si, seg in enumerate(self.segments)}
+            self.groups = [seg.group_index for seg in self.segments]
+        else:
+            self.sums.zero_()
+
+    def per_group(self, num_groups: int, device: torch.device) -> List[Dict[str, Tensor]]:
+        """The numbers of each param group from its segments' rows (device operations only)."""
+        rows: List[List[Tensor]] = [[] for _ in range(num_groups)]
+        for si, g in enumerate(self.groups):
+            if g < num_groups:
+                rows[g].append(self.sums[si].to(device))
+        zero = torch.zeros(5, dtype=torch.float64, device=device)
+        sums = torch.stack([r[0] if len(r) == 1 else torch.stack(r).sum(0) if r else zero for r in rows])
+        norms = sums[:, :3].sqrt().float()
+        counts = sums[:, 3:].to(torch.int64)
+        return [dict(grad_norm=norms[g, 0], update_norm=norms[g, 1], weight_norm=norms[g, 2],
+                     stagnant=counts[g, 0], nonfinite=counts[g, 1]) for g in range(num_groups)]
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """Base class of the fused optimizers; subclasses define the state buffers and call the update op."""
 
@@ -51,8 +110,10 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: dict, *, max_grad_norm: Optional[float], master_weights: Optional[bool],
                  backend: Optional[str], spike_guard: Optional[SpikeGuard] = None, track_nonfinite: bool = False,
-                 module: Optional[torch.nn.Module] = None):
+                 module: Optional[torch.nn.Module] = None, health: bool = False):
         groups = P.normalise_groups(params)
+        if health not in (True, False):
+            raise TypeError(f"health must be True or False, got {health!r}")
         if spike_guard is not None and not isinstance(spike_guard, SpikeGuard):
             raise TypeError(f"spike_guard must be an ampfused.SpikeGuard, got {type(spike_guard).__name__}")
         if module is not None and not isinstance(module, torch.nn.Module):
@@ -69,6 +130,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.backend = backend
         self.spike_guard = spike_guard
         self.track_nonfinite = bool(track_nonfinite)
+        self.health_enabled = bool(health)
         self._module_names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
         self._init_internals()
         super().__init__(groups, defaults)
@@ -83,6 +145,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._nonfinite: List[Tensor] = []
         self._calls = [0]  # step() calls that had gradients, since construction or load (a list: a compiled
         # step adds to it without setting an attribute of the optimizer)
+        self._health = _Health()  # with health=True: the last step's health sums, one row per segment
 
     def _make_device_tensors(self, device: torch.device, old: Optional[dict] = None) -> None:
         """The small per-optimizer device tensors, on the parameters' device (moved along when it changes)."""
@@ -236,6 +299,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._check_hyperparameters()
         batch = self._step_gradients()
+        if self.health_enabled:
+            self._health.prepare(self, batch)  # (refuses what cannot sum them, before anything changes)
         if batch.empty:  # no gradient at all: torch.optim does nothing either
             self._clip_state.reset()
             return loss
@@ -343,6 +408,15 @@ class FusedOptimizer(torch.optim.Optimizer):
     def last_step_skipped(self) -> Tensor:
         """0-d bool device tensor: whether the last step changed nothing."""
         return self._stats[1] > 0
+
+    def health(self) -> List[Dict[str, Tensor]]:
+        """The last step's training-health numbers, one dict per param group (``docs/api.md``, "Training
+        health"), each value a 0-d device tensor (no host read): ``grad_norm``, ``update_norm``, ``weight_norm``
+        (fp32) and ``stagnant``, ``nonfinite`` (int64). Needs the optimizer built with ``health=True``."""
+        if not self.health_enabled:
+            raise RuntimeError(f"health() needs the optimizer built with health=True "
+                               f"({type(self).__name__}(..., health=True))")
+        return self._health.per_group(len(self.param_groups), self._device)
 
     def _steps_taken_now(self) -> Tensor:
         counts = [s.steps.max() for s in self._segs.segments if len(s)]
@@ -486,6 +560,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state.pop("_checked_hyper", None)  # a memo of this process (tensor ids)
+        state["_health"] = _Health()  # (rows keyed by segment ids: made again at the next step)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -510,6 +585,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._segs.packed = [None] * len(self.param_groups)
         else:
             self.__dict__.update(state)
+        self.__dict__.setdefault("health_enabled", False)
+        self.__dict__.setdefault("_health", _Health())
         super().__setstate__(dict(self.__dict__))
         for group in self.param_groups:  # pickled before the groups had torch's keys: torch's values for them
             for key, value in getattr(self, "torch_load_defaults", {}).items():

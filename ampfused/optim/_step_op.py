@@ -33,7 +33,7 @@ class StepOp:
                                                          for s in spec.states},
                         steps=seg.steps, partials=partials, inv_scale=inv_scale, lr=lr, out_stats=self._stats,
                         hyper=hyper, seed=getattr(seg, "seed", None), state_scales=getattr(seg, "scales", None),
-                        **source)
+                        health=self._health.row(seg) if getattr(self, "health_enabled", False) else None, **source)
         if call.state_scales is not None and all(t is None for _, t in call.used_states()):
             call.state_scales = None  # (no moment is read this step: SGD without momentum)
         return call

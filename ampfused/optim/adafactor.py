@@ -138,6 +138,7 @@ class FusedAdafactor(AdafactorMath, FusedOptimizer):
                  weight_decay: float = 0.0, *, foreach: Optional[bool] = None, maximize: bool = False,
                  max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
                  backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None,
+                 health: bool = False,
                  store_param_remainders: bool = False, bf16_stochastic_round: bool = False, seed: int = 0):
         params = list(params) if not isinstance(params, (Tensor, dict)) and hasattr(params, "__iter__") else params
         self._precision = _precision.make(type(self).__name__, master_weights, store_param_remainders,
@@ -145,4 +146,5 @@ class FusedAdafactor(AdafactorMath, FusedOptimizer):
         defaults = self.adafactor_defaults(lr, beta2_decay, eps, d, weight_decay, foreach, maximize)
         _refuse(params)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
-                         backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
+                         backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module,
+                         health=health)

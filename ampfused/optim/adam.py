@@ -82,6 +82,7 @@ class _FusedAdamBase(AdamMath, FusedOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  maximize=False, max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
                  backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None,
+                 health: bool = False,
                  foreach=None, fused=None, capturable=False, differentiable=False, decoupled_weight_decay=None,
                  store_param_remainders: bool = False, bf16_stochastic_round: bool = False,
                  exp_avg_dtype: torch.dtype = torch.float32, exp_avg_sq_dtype: torch.dtype = torch.float32,
@@ -94,7 +95,8 @@ class _FusedAdamBase(AdamMath, FusedOptimizer):
                                       foreach=foreach, fused=fused, capturable=capturable,
                                       decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
-                         backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
+                         backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module,
+                         health=health)
 
 
 class FusedAdam(_FusedAdamBase):
@@ -127,14 +129,15 @@ class FusedAdamW(_FusedAdamBase):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
                  backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None,
+                 health: bool = False,
                  foreach=None, fused=None, capturable=False, differentiable=False,
                  store_param_remainders: bool = False, bf16_stochastic_round: bool = False,
                  exp_avg_dtype: torch.dtype = torch.float32, exp_avg_sq_dtype: torch.dtype = torch.float32,
                  seed: int = 0):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          max_grad_norm=max_grad_norm, master_weights=master_weights, backend=backend,
-                         spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module, foreach=foreach,
-                         fused=fused, capturable=capturable, differentiable=differentiable,
+                         spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module, health=health,
+                         foreach=foreach, fused=fused, capturable=capturable, differentiable=differentiable,
                          decoupled_weight_decay=True, store_param_remainders=store_param_remainders,
                          bf16_stochastic_round=bf16_stochastic_round, exp_avg_dtype=exp_avg_dtype,
                          exp_avg_sq_dtype=exp_avg_sq_dtype, seed=seed)

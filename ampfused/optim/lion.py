@@ -112,10 +112,12 @@ class FusedLion(LionMath, FusedOptimizer):
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
                  max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
                  backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None,
+                 health: bool = False,
                  store_param_remainders: bool = False, bf16_stochastic_round: bool = False,
                  exp_avg_dtype: torch.dtype = torch.float32, seed: int = 0):
         self._precision = _precision.make(type(self).__name__, master_weights, store_param_remainders,
                                           bf16_stochastic_round, {"exp_avg_dtype": exp_avg_dtype}, seed)
         defaults = self.lion_defaults(lr, betas, weight_decay, maximize)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
-                         backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
+                         backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module,
+                         health=health)

@@ -205,7 +205,8 @@ class FusedMuon(MuonMath, FusedOptimizer):
                  ns_coefficients=(M.NS_A, M.NS_B, M.NS_C), eps=M.EPS, ns_steps=M.NS_STEPS,
                  adjust_lr_fn: Optional[str] = None, *, max_grad_norm: Optional[float] = None,
                  master_weights: Optional[bool] = None, backend: Optional[str] = None, spike_guard=None,
-                 track_nonfinite: bool = False, module=None, store_param_remainders: bool = False,
+                 track_nonfinite: bool = False, module=None, health: bool = False,
+                 store_param_remainders: bool = False,
                  bf16_stochastic_round: bool = False, momentum_dtype: torch.dtype = torch.float32, seed: int = 0,
                  expert_stacks: bool = False):
         self.expert_stacks = bool(expert_stacks)
@@ -218,7 +219,8 @@ class FusedMuon(MuonMath, FusedOptimizer):
                                       adjust_lr_fn)
         self._check_shapes(groups)
         super().__init__(groups, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
-                         backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
+                         backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module,
+                         health=health)
 
     def add_param_group(self, param_group: dict) -> None:
         group = with_adamw_defaults(P.normalise_group(param_group))

@@ -89,6 +89,7 @@ class FusedSGD(SgdMath, FusedOptimizer):
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, max_grad_norm: Optional[float] = None, master_weights: Optional[bool] = None,
                  backend: Optional[str] = None, spike_guard=None, track_nonfinite: bool = False, module=None,
+                 health: bool = False,
                  foreach=None, fused=None, capturable=False, differentiable=False,
                  store_param_remainders: bool = False, bf16_stochastic_round: bool = False,
                  momentum_dtype: torch.dtype = torch.float32, seed: int = 0):
@@ -97,7 +98,8 @@ class FusedSGD(SgdMath, FusedOptimizer):
         defaults = self.sgd_defaults(lr, momentum, dampening, weight_decay, nesterov, maximize, differentiable,
                                      foreach=foreach, fused=fused)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, master_weights=master_weights,
-                         backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module)
+                         backend=backend, spike_guard=spike_guard, track_nonfinite=track_nonfinite, module=module,
+                         health=health)
 
     def _check_hyperparameters(self) -> None:
         if torch.compiler.is_compiling():

@@ -366,3 +366,20 @@ def test_pytorch_lightning_package_takes_its_own_plugin():
     trainer.fit(model, _loader())
     assert isinstance(trainer.precision_plugin, PLFused) and trainer.global_step == STEPS
     assert_trains(model.losses[::GA], "pytorch_lightning bf16-mixed")
+
+
+class HealthModel(Model):
+    def configure_optimizers(self):
+        return ampfused.FusedAdamW(self.parameters(), **HYPER, backend="reference", health=True)
+
+
+def test_the_plugin_logs_the_fused_optimizers_health_numbers():
+    model = _fit(HealthModel(), _trainer(plugins=[FusedMixedPrecision("bf16-mixed", "cpu")], steps=3), steps=3)
+    fused = _fused(model.trainer.optimizers[0])
+    logged = model.trainer.callback_metrics
+    for gi, h in enumerate(fused.health()):
+        for name in ("grad_norm", "update_norm", "weight_norm", "stagnant", "nonfinite"):
+            assert float(logged[f"health/group{gi}/{name}"]) == float(h[name]), (gi, name)
+        assert float(logged[f"health/group{gi}/update_to_weight"]) == pytest.approx(
+            float(h["update_norm"]) / float(h["weight_norm"]))
+    assert float(logged["health/group0/grad_norm"]) > 0 and float(logged["health/group0/update_norm"]) > 0

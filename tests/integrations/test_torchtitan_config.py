@@ -214,3 +214,20 @@ def test_selected_from_torchtitans_command_line(tmp_path, monkeypatch):
                                       "--training.max_norm", "2.5", "--optimizer.backend", "reference"])
     assert type(cfg)._owner is FusedTrainer  # torchtitan.train's config.build() builds a FusedTrainer
     assert (cfg.optimizer.max_grad_norm, cfg.optimizer.backend) == (2.5, "reference")
+
+
+def test_health_reaches_the_optimizers_and_their_metrics():
+    model = _model()
+    c = FusedOptimizersContainer.Config(param_groups=_groups("AdamW"), backend="reference", health=True).build(
+        model_parts=[model])
+    (opt,) = c.optimizers
+    assert opt.health_enabled
+    _backward(model)
+    c.step()
+    metrics = c.health_metrics()
+    h = opt.health()[0]
+    assert float(metrics["health/group0/grad_norm"]) > 0
+    for name in ("grad_norm", "update_norm", "weight_norm", "stagnant", "nonfinite"):
+        assert float(metrics[f"health/group0/{name}"]) == float(h[name])
+    off = FusedOptimizersContainer.Config(param_groups=_groups("AdamW")).build(model_parts=[_model()])
+    assert off.health_metrics() == {}

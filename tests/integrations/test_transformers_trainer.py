@@ -323,3 +323,21 @@ def test_fuse_checks_its_arguments():
     with pytest.raises(TypeError, match="exact_skips must be a bool"):
         fuse(trainer, exact_skips="yes")
     assert fuse(trainer) is trainer
+
+
+def test_health_numbers_join_the_trainers_log_lines():
+    model = _gpt2()
+    opt = ampfused.FusedAdamW(model.parameters(), **HYPER, backend="reference", health=True)
+    args = transformers.TrainingArguments(
+        output_dir="/tmp/ampfused-trainer-tests", max_steps=3, per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=GA, max_grad_norm=1.0, logging_steps=1, report_to=[], disable_tqdm=True,
+        use_cpu=True, bf16=True, save_strategy="no")
+    trainer = fuse(transformers.Trainer(model=model, args=args, train_dataset=_data(3), optimizers=(opt, None)))
+    trainer.train()
+    lines = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(lines) == 3 and all("health/group0/update_to_weight" in h for h in lines)
+    last, h = lines[-1], opt.health()[0]
+    for name in ("grad_norm", "update_norm", "weight_norm", "stagnant", "nonfinite"):
+        assert last[f"health/group0/{name}"] == float(h[name]), name
+    assert last["health/group0/grad_norm"] > 0 and last["health/group0/update_norm"] > 0
+    assert "health/group0/grad_norm" not in trainer.state.log_history[-1]  # (the run's summary line)
