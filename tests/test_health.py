@@ -84,11 +84,13 @@ def _expected(opt, before, grads, divisor):
 def _check(opt, expected):
     got = opt.health()
     assert len(got) == len(opt.param_groups)
+    # the reference sums fp64 squares; the native steps fp32 squares per block of 256, then fp64
+    rel = 1e-6 if opt.backend == "reference" else 2e-5
     for gi, (h, e) in enumerate(zip(got, expected)):
         assert set(h) == {"grad_norm", "update_norm", "weight_norm", "stagnant", "nonfinite"}
         for k in ("grad_norm", "update_norm", "weight_norm"):
             assert h[k].dim() == 0 and h[k].dtype == torch.float32, k
-            assert h[k].item() == pytest.approx(e[k], rel=1e-6, abs=1e-30), (gi, k)
+            assert h[k].item() == pytest.approx(e[k], rel=rel, abs=1e-30), (gi, k)
         for k in ("stagnant", "nonfinite"):
             assert h[k].dim() == 0 and h[k].dtype == torch.int64, k
             assert h[k].item() == e[k], (gi, k)
@@ -100,11 +102,15 @@ def _backward(model, seed):
     model[2](model[1](model[0](x))).float().square().mean().backward()
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
-def test_each_number_is_what_the_weights_and_gradients_say(mode):
+NATIVE = ("adam", "sgd", "lion")  # the optimizers whose CPU steps compute the sums
+CASES = [(m, "reference") for m in sorted(MODES)] + [(m, "cpu") for m in sorted(MODES) if m.startswith(NATIVE)]
+
+
+@pytest.mark.parametrize("mode, backend", CASES)
+def test_each_number_is_what_the_weights_and_gradients_say(mode, backend):
     cls, options = MODES[mode]
     model = _model()
-    opt = cls(_groups(mode, model), backend="reference", health=True, **options)
+    opt = cls(_groups(mode, model), backend=backend, health=True, **options)
     for step in range(3):
         _backward(model, step)
         if step == 1:
@@ -119,11 +125,13 @@ def test_each_number_is_what_the_weights_and_gradients_say(mode):
         opt.zero_grad()
 
 
-@pytest.mark.parametrize("mode", ["adamw", "adamw-remainders", "lion", "muon"])
-def test_a_skipped_step_reports_its_gradients_and_no_update(mode):
+@pytest.mark.parametrize("mode, backend", [("adamw", "reference"), ("adamw-remainders", "reference"),
+                                           ("lion", "reference"), ("muon", "reference"), ("adamw", "cpu"),
+                                           ("adamw-stochastic", "cpu"), ("sgd-momentum", "cpu")])
+def test_a_skipped_step_reports_its_gradients_and_no_update(mode, backend):
     cls, options = MODES[mode]
     model = _model()
-    opt = cls(_groups(mode, model), backend="reference", health=True, **options)
+    opt = cls(_groups(mode, model), backend=backend, health=True, **options)
     _backward(model, 0)
     opt.step()
     opt.zero_grad()
@@ -145,10 +153,11 @@ def test_a_skipped_step_reports_its_gradients_and_no_update(mode):
         assert x["weight_norm"].item() == pytest.approx(e["weight_norm"], rel=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("options", [dict(), dict(store_param_remainders=True), dict(bf16_stochastic_round=True),
                                      dict(master_weights=False, dtype=torch.float32)],
                          ids=["fp32-master", "remainders", "stochastic", "fp32-params"])
-def test_updates_below_the_last_bit_of_the_stored_weight_are_counted_exactly(options):
+def test_updates_below_the_last_bit_of_the_stored_weight_are_counted_exactly(options, backend):
     options = dict(options)
     dtype = options.pop("dtype", BF16)
     w = torch.ones(1000, dtype=dtype)
@@ -156,7 +165,7 @@ def test_updates_below_the_last_bit_of_the_stored_weight_are_counted_exactly(opt
     w[7:10] = 2.0 ** -20  # ... and of a tiny one
     p = torch.nn.Parameter(w)
     still = torch.nn.Parameter(torch.ones(64, dtype=dtype))  # a zero update is not a stagnant one
-    opt = ampfused.FusedSGD([{"params": [p]}, {"params": [still]}], lr=1e-9, backend="reference", health=True,
+    opt = ampfused.FusedSGD([{"params": [p]}, {"params": [still]}], lr=1e-9, backend=backend, health=True,
                             **options)
     before = _stored(opt, p)
     p.grad = torch.ones_like(p)
@@ -170,9 +179,10 @@ def test_updates_below_the_last_bit_of_the_stored_weight_are_counted_exactly(opt
     assert int(h[1]["stagnant"]) == 0 and float(h[1]["update_norm"]) == 0
 
 
-def test_weight_decay_alone_is_an_update():
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_weight_decay_alone_is_an_update(backend):
     p = torch.nn.Parameter(torch.ones(16, dtype=BF16))
-    opt = ampfused.FusedAdamW([p], lr=1e-6, weight_decay=1e-3, backend="reference", health=True)
+    opt = ampfused.FusedAdamW([p], lr=1e-6, weight_decay=1e-3, backend=backend, health=True)
     p.grad = torch.zeros_like(p)
     opt.step()
     # adam's term is 0 (m = 0) and the decay 1 - 1e-9 rounds to 1 in fp32: the decay is lost
@@ -185,10 +195,11 @@ def test_health_is_opt_in_and_refused_where_it_is_not_computed():
         ampfused.FusedAdamW([p]).health()
     with pytest.raises(TypeError, match="health must be True or False"):
         ampfused.FusedAdamW([p], health="yes")
-    opt = ampfused.FusedAdamW([p], backend="cpu", health=True)
+    opt = ampfused.FusedAdafactor([p], backend="cpu", health=True)
     p.grad = torch.randn_like(p)
     w = p.detach().clone()
-    with pytest.raises(RuntimeError, match=r"'cpu' backend, which does not compute the health sums yet"):
+    with pytest.raises(RuntimeError, match=r"adafactor_step_ on the 'cpu' backend, which does not compute the "
+                                           r"health sums yet"):
         opt.step()
     assert torch.equal(p, w) and len(opt.state) == 0  # refused before anything changed
 
@@ -226,3 +237,36 @@ def test_fsdp2_parameters_are_refused_before_anything_changes():
     with pytest.raises(RuntimeError, match=r"FSDP2 \(DTensor\) parameters: the per-group sums are not reduced"):
         opt.step()
     assert all(torch.equal(_stored(opt, p), w) for p, w in before.items())
+
+
+@pytest.mark.parametrize("mode", [m for m in sorted(MODES) if m.startswith(NATIVE)])
+def test_the_cpu_step_with_health_sums_is_the_step_without_them_bit_for_bit(mode):
+    cls, options = MODES[mode]
+    runs = []
+    for health in (False, True):
+        model = _model()
+        opt = cls(_groups(mode, model), backend="cpu", health=health, max_grad_norm=0.5, **options)
+        for step in range(3):
+            _backward(model, step)
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    (m0, o0), (m1, o1) = runs
+    for p0, p1 in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(p0, p1)
+        for k, v in o0.state[p0].items():
+            assert torch.equal(v, o1.state[p1][k]), k
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_a_group_without_gradients_this_step_reports_zeros(backend):
+    model = _model()
+    opt = ampfused.FusedAdamW(_groups("adamw", model), backend=backend, health=True)
+    _backward(model, 0)
+    opt.step()
+    assert float(opt.health()[1]["grad_norm"]) > 0
+    model[1].weight.grad = model[1].bias.grad = None
+    opt.step()
+    h = opt.health()
+    assert float(h[0]["update_norm"]) > 0
+    assert all(float(v) == 0 for v in h[1].values())

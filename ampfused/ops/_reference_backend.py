@@ -28,7 +28,6 @@ class ReferenceBackend(Backend):
     name = "reference"
     devices = ("cpu", "cuda", "meta", "mps", "xpu")
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-    takes_health = True
 
     num_partials = staticmethod(reference.num_partials)
     norm_check = staticmethod(reference.norm_check)
@@ -50,6 +49,9 @@ class ReferenceBackend(Backend):
 
     def has_step(self, op: str) -> bool:
         return step_function(op) is not None
+
+    def computes_health(self, op: str) -> bool:
+        return self.has_step(op)
 
 
 BACKEND = ReferenceBackend()

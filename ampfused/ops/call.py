@@ -9,7 +9,7 @@ every parameter and gradient of dtype ``dtype``; only for a backend with ``takes
 call carries the tensors too, for the function between its passes). A factored step over
 the shards of parameters split over ranks runs in phases: ``shard`` is ``(phase, ShardSums)``
 (:class:`ampfused.ops.factored.ShardSums`), from the tensors. ``health`` (fp64 ``[5]``, optional; only for a
-backend with ``takes_health``) receives the step's training-health sums
+backend whose ``computes_health`` says so) receives the step's training-health sums
 (:class:`ampfused.ops.reference_common.HealthSums`).
 """
 from __future__ import annotations

@@ -104,6 +104,8 @@ class CpuBackend(Backend):
         """The step op of ``call`` (math and tensors in :mod:`ampfused.ops.reference`): its arguments packed by
         name into the module's one step entry (``csrc/include/ampfused/step_pack.h``), which runs the kernels that
         op's source file registered."""
+        if call.health is not None and not self.computes_health(call.spec.name):
+            raise NotImplementedError(f"the {self.name} backend's {call.spec.name} does not compute health sums")
         if call.spec.layout == "factored":
             self._factored_step(call)
             return
@@ -116,6 +118,19 @@ class CpuBackend(Backend):
         # a pass of a split step (OpSpec.split): its phase and what its scratch gives the kernels
         phase = {} if call.shard is None else dict(phase=call.shard[0], **call.shard[1].slots(call.steps.device))
         mod.step(call.spec.name, pack.slots(place, flat, phase), pack.hyper(call), *place.get("rows", ()))
+
+    def computes_health(self, op: str) -> bool:
+        """Whether the module's entry of ``op`` writes a call's health sums (the pack's health slot): its step
+        file registers ``HEALTH_<op>`` (``csrc/cpu/steps``)."""
+        try:
+            mod = self._mod()
+        except ImportError:
+            return False
+        found = _HEALTH_OPS.get(id(mod))
+        if found is None or found[0] is not mod:
+            found = _HEALTH_OPS[id(mod)] = (mod, {k[len("HEALTH_"):] for k, v in mod.step_constants().items()
+                                                  if k.startswith("HEALTH_") and v})
+        return op in found[1]
 
     def has_step(self, op: str) -> bool:
         """Whether the module has an entry for ``op`` (False when it cannot load: ``unavailable_reason`` says why)."""
@@ -141,7 +156,8 @@ class CpuBackend(Backend):
                     step_code=_N.SCALAR_CODES[call.steps.dtype], partials=partials.data_ptr(),
                     num_partials=partials.shape[1], inv_scale=call.inv_scale.data_ptr(), lr=call.lr.data_ptr(),
                     lr_code=_N.SCALAR_CODES[call.lr.dtype], out_stats=call.out_stats.data_ptr(), master_format=fmt[0],
-                    state_dtype=fmt[1], seed=fmt[2], state_scales=scales, scale_blocks=blocks, _keep=partials)
+                    state_dtype=fmt[1], seed=fmt[2], state_scales=scales, scale_blocks=blocks,
+                    health=_N.ptr(call.health), _keep=partials)
 
     def _place_flat(self, call: StepCall, states) -> dict:
         """Where the step's parameters and gradients are, as the module reads them, and where it runs: here the
@@ -221,5 +237,7 @@ class CpuBackend(Backend):
             return dict(threads=torch.get_num_threads(), table=table[0])
         return dict(threads=torch.get_num_threads(), rows=(rows,))
 
+
+_HEALTH_OPS: dict = {}  # id(module) -> (module, the ops whose entries write health sums)
 
 BACKEND = CpuBackend()

@@ -38,7 +38,6 @@ class Backend:
     """Base class. Subclasses set the attributes and implement the ops of ``reference``."""
 
     takes_tables = False  # the fused optimizers' tables: norm_check_tables and steps from a table, see cpu.py
-    takes_health = False  # a step call's health sums (StepCall.health)
 
     name: str = ""
     devices: tuple = ()
@@ -58,6 +57,10 @@ class Backend:
         if not self.has_step(call.spec.name):
             raise NotImplementedError(f"the {self.name} backend has no {call.spec.name}")
         object.__getattribute__(self, call.spec.name)(*call.op_args(), **call.compact_kwargs(), **call.options)
+
+    def computes_health(self, op: str) -> bool:
+        """Whether this backend's step op ``op`` writes a call's health sums (``StepCall.health``)."""
+        return False
 
     def has_step(self, op: str) -> bool:
         """Whether this backend runs step op ``op`` (a name in ``specs.SPECS``)."""

@@ -56,9 +56,9 @@ class _Health:
         return self.rows.get(id(seg))
 
     def prepare(self, opt, batch: _Batch) -> None:
-        """Rows for this step's segments, zeroed (a segment without a gradient sums nothing); the step's
-        backends checked first: each must compute the sums (``takes_health``), on plain (not DTensor) parameters,
-        eagerly."""
+        """Rows for this step's segments (each step call writes its own; the rows of segments without a gradient,
+        which make none, zeroed); the step's backends checked first: each must compute the sums
+        (``computes_health``), on plain (not DTensor) parameters, eagerly."""
         segs = opt._segs
         if torch.compiler.is_compiling():
             raise RuntimeError(f"{type(opt).__name__}(health=True): a compiled step does not compute the health "
@@ -73,18 +73,23 @@ class _Health:
                 backend = batch.backend
             else:
                 backend = ops.registry.get_backend(opt._backend_name(seg, batch.per_segment[si]))
-            if not backend.takes_health:
-                raise RuntimeError(f"{type(opt).__name__}(health=True): param_groups[{seg.group_index}] steps on "
-                                   f"the {backend.name!r} backend, which does not compute the health sums yet; "
-                                   "the 'reference' backend does (backend='reference')")
+            op = opt._op_for(opt.param_groups[seg.group_index])
+            if not backend.computes_health(op):
+                raise RuntimeError(f"{type(opt).__name__}(health=True): param_groups[{seg.group_index}] steps by "
+                                   f"{op} on the {backend.name!r} backend, which does not compute the health sums "
+                                   "yet; the 'reference' backend does (backend='reference')")
         device = opt._device
         if self.segments is not segs.segments or self.sums is None or self.sums.device != device:
             self.segments = segs.segments
             self.sums = torch.zeros(len(self.segments), 5, dtype=torch.float64, device=device)
             self.rows = {id(seg): self.sums[si] for si, seg in enumerate(self.segments)}
             self.groups = [seg.group_index for seg in self.segments]
-        else:
+        elif batch.empty:
             self.sums.zero_()
+        else:
+            for si in range(len(self.segments)):
+                if batch.segment_empty(si):
+                    self.sums[si].zero_()
 
     def per_group(self, num_groups: int, device: torch.device) -> List[Dict[str, Tensor]]:
         """The numbers of each param group from its segments' rows (device operations only)."""

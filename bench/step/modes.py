@@ -14,13 +14,20 @@ suffix              options                                                     
 ``+q8m``            ``exp_avg_dtype=exp_avg_sq_dtype=torch.uint8`` (8-bit)      6.03                16.06
 ``+rem+q8m``        remainders + 8-bit moments                                  4.03                14.06
 ``+sr+q8m``         ``bf16_stochastic_round=True`` + 8-bit moments              2.03                10.06
+``+health``         ``health=True`` (the training-health sums, same bytes)      12                  28
+``+rem+health``     remainders + ``health=True``                                10                  26
 ==================  ==========================================================  ==================  ========
+
+The ``+health`` modes run only where the step computes the sums (``Backend.computes_health``): they time what
+asking for ``opt.health()`` costs a step, against their twin without it.
 
 The state bytes in the results are measured (the storages of the optimizer's state tensors), not taken
 from this table; the bytes moved are ``bench.common.bytes.mode_bytes_per_param``.
 
 How each mode is checked before it is timed, on the same check steps as every variant (bench/step/check.py):
 
+* ``+health`` / ``+rem+health``: the step is the same bit for bit with the sums as without them: checked as a
+  remainder mode against its twin (``ampfused-<backend>`` / ``+rem``), below.
 * ``+rem`` / ``+rem+bf16m``: the contract is bitwise. Its *twin* (the same options without remainders:
   ``ampfused-<backend>`` / ``+bf16m``, same backend and seed) runs the same steps and is itself checked as
   below; the remainder mode's masters (``join(weight, remainder)``) and moments must equal the twin's bit for
@@ -63,6 +70,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
+from ampfused import ops
 from ampfused.ops import memory_view
 from ampfused.ops import state_precision as sp
 from ampfused.ops.state_precision import join_master
@@ -113,6 +121,9 @@ MODES: List[Mode] = [
          text="store_param_remainders=True + 8-bit moments", q8_moments=True),
     Mode("+sr+q8m", dict(bf16_stochastic_round=True, **_Q8M), "none", False,
          text="bf16_stochastic_round=True + 8-bit moments", q8_moments=True),
+    Mode("+health", dict(health=True), "fp32", False, twin="", text="health=True"),
+    Mode("+rem+health", dict(store_param_remainders=True, health=True), "remainder", False, twin="+rem",
+         text="store_param_remainders=True + health=True"),
 ]
 BY_SUFFIX = {m.suffix: m for m in MODES}
 FP32_MODE = Mode("", {}, "fp32", False, text="fp32 master, fp32 moments")
@@ -398,6 +409,8 @@ def mode_variants(device: torch.device, backends: List[str], names: Optional[Lis
     for b in backends:
         for m in MODES:
             v = ModeVariant(b, m)
+            if m.options.get("health") and not ops.registry.get_backend(b).computes_health("adam_step_"):
+                continue
             if b != "reference" or (names and v.name in names):
                 out.append(v)
     return out

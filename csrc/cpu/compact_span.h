@@ -53,9 +53,15 @@ constexpr int32_t kCompactBlock = 256;
 //    encode, fills the slots the divisions leave; measured faster with AVX-512, the same with AVX2), the block's new exponents come from
 //    an integer max of its new moments, and a block whose codes are all normal is encoded by
 //    q8_encode_normal, any other by q8_encode.
-template <typename G, typename P, int kFmt, bool kMaster, typename S, int kStates, typename Consts, typename Apply>
+// With kHealth, each block also sums its health numbers into *part (reference_common.HealthSums; the step is
+// not skipped): apply returns the element's update term, and the update loop sums each element's numbers
+// beside its update (the weight it stores is its new fp32 value, which the remainders and an fp32 master hold
+// exactly); without a master the stored weight is the stochastically rounded one, summed where it is stored.
+template <typename G, typename P, int kFmt, bool kMaster, typename S, int kStates, bool kHealth = false,
+          typename Consts, typename Apply>
 AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& consts, int64_t lo, int32_t n,
-                        uint32_t index_high, Apply apply) {
+                        uint32_t index_high, Apply apply, const HealthSink* health = nullptr,
+                        HealthPart* part = nullptr) {
   const Consts k = consts;  // a local copy: stores to the buffers cannot alias it
   constexpr bool kBf16State = std::is_same<S, bf16_t>::value;
   constexpr bool kQ8State = std::is_same<S, uint8_t>::value;  // 8-bit moments: codes and block scales
@@ -96,6 +102,11 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
     }
   };
   alignas(64) float wb[kCompactBlock], ab[kCompactBlock], cb[kCompactBlock];
+  // kHealth without a master: each element's weight as loaded and its update's term, for the stores
+  constexpr bool kHealthAtStore = kHealth && kFmt == kMasterNone;
+  alignas(64) float before[kHealthAtStore ? kCompactBlock : 1], terms[kHealthAtStore ? kCompactBlock : 1];
+  const float inv_scale = kHealth ? health->inv_scale : 0.0f;
+  const bool decays = kHealth && health->decays;
   // 8-bit moments without a master: each element's draw, hashed in the update loop for the weight and read back
   // by the encode pass for the moments (one hash per element)
   alignas(64) uint32_t rb[kQ8State && kFmt == kMasterNone ? kCompactBlock : 1];
@@ -115,7 +126,10 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
       }
     }
     uint32_t nan = 0, big1 = 0, big2 = 0, small1 = 0xffffffffu, small2 = 0xffffffffu;
-#pragma omp simd reduction(| : nan) reduction(max : big1, big2) reduction(min : small1, small2)
+    float g2 = 0.0f, u2 = 0.0f, w2 = 0.0f;  // kHealth: the block's sums
+    int32_t stagnant = 0;
+#pragma omp simd reduction(| : nan) reduction(max : big1, big2) reduction(min : small1, small2) \
+    reduction(+ : g2, u2, w2, stagnant)
     for (int32_t j = 0; j < m; ++j) {
       const int32_t e = j0 + j;
       float w;
@@ -126,7 +140,23 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
       float a = 0.0f, c = 0.0f;
       if constexpr (kStates >= 1) a = kQ8State ? ab[j] : (kBf16State ? f32_from_bits(uint32_t(h1[e]) << 16) : f1[e]);
       if constexpr (kStates >= 2) c = kQ8State ? cb[j] : (kBf16State ? f32_from_bits(uint32_t(h2[e]) << 16) : f2[e]);
-      apply(to_f32(g[e]), w, a, c, k);
+      if constexpr (kHealth) {
+        const float gx = to_f32(g[e]), w0 = w;
+        const float term = apply(gx, w, a, c, k);
+        const float u = gx * inv_scale;
+        g2 += u * u;
+        if constexpr (kHealthAtStore) {
+          before[j] = w0;
+          terms[j] = term;
+        } else {
+          const float d = w - w0;
+          u2 += d * d;
+          w2 += w * w;
+          stagnant += (w == w0 && (term != 0.0f || (decays && w0 != 0.0f))) ? 1 : 0;
+        }
+      } else {
+        apply(to_f32(g[e]), w, a, c, k);
+      }
       if constexpr (kStates >= 1 && !kBf16State && !kQ8State) f1[e] = a;
       if constexpr (kStates >= 2 && !kBf16State && !kQ8State) f2[e] = c;
       if constexpr (kMaster) master[e] = w;
@@ -136,6 +166,13 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
         uint32_t r = 0;
         if constexpr (kFmt == kMasterNone) r = rb[j] = random_bits_low(kw, index_low + uint32_t(e));
         store_weight(e, w, r, std::true_type{});
+        if constexpr (kHealthAtStore) {
+          const float after = f32_from_bits(uint32_t(pw[e]) << 16), d = after - before[j];
+          u2 += d * d;
+          w2 += after * after;
+          const bool moved = terms[j] != 0.0f || (decays && before[j] != 0.0f);
+          stagnant += (after == before[j] && moved) ? 1 : 0;
+        }
         // the extremes of |x| as bits (q8_abs_bits's NaN clamp is applied to them below: it is monotonic)
         if constexpr (kStates >= 1) big1 = std::max(big1, abs_bits(a)), small1 = std::min(small1, abs_bits(a));
         if constexpr (kStates >= 2) big2 = std::max(big2, abs_bits(c)), small2 = std::min(small2, abs_bits(c));
@@ -176,7 +213,9 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
     } else {
       const auto stores = [&](auto careful) {
         constexpr bool kCareful = decltype(careful)::value;
-#pragma omp simd
+        float su2 = 0.0f, sw2 = 0.0f;  // kHealthAtStore: the sums of the stored weights
+        int32_t sst = 0;
+#pragma omp simd reduction(+ : su2, sw2, sst)
         for (int32_t j = 0; j < m; ++j) {
           const int32_t e = j0 + j;
           // the element's one draw (unused where nothing is rounded stochastically)
@@ -190,25 +229,42 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
             h2[e] = kCareful ? round_stochastic_bits(cb[j], r2) : round_stochastic_finite(f32_bits(cb[j]), r2);
           }
           store_weight(e, wb[j], r, careful);
+          if constexpr (kHealthAtStore) {
+            const float after = f32_from_bits(uint32_t(pw[e]) << 16), d = after - before[j];
+            su2 += d * d;
+            sw2 += after * after;
+            const bool moved = terms[j] != 0.0f || (decays && before[j] != 0.0f);
+            sst += (after == before[j] && moved) ? 1 : 0;
+          }
         }
+        u2 += su2;
+        w2 += sw2;
+        stagnant += sst;
       };
       if (nan) stores(std::true_type{});
       else stores(std::false_type{});
+    }
+    if constexpr (kHealth) {
+      part->g2 += double(g2);
+      part->u2 += double(u2);
+      part->w2 += double(w2);
+      part->stagnant += stagnant;
     }
   }
 }
 
 // Elements [lo, hi) of one parameter (at most kStepBlock of them), in spans whose flat indices (offset + i)
 // share their high 32 bits.
-template <typename G, typename P, int kFmt, bool kMaster, typename S, int kStates, typename Consts, typename Apply>
+template <typename G, typename P, int kFmt, bool kMaster, typename S, int kStates, bool kHealth = false,
+          typename Consts, typename Apply>
 void compact_range(const StepBufs& b, const StepTensor& t, const Consts& consts, int64_t lo, int64_t hi,
-                   Apply apply) {
+                   Apply apply, const HealthSink* health = nullptr, HealthPart* part = nullptr) {
   static_assert(kStepBlock <= (int64_t(1) << 30), "a span's length is an int32");
   while (lo < hi) {
     const uint64_t first = uint64_t(t.offset + lo);
     const int64_t end = std::min<int64_t>(hi, int64_t(((first >> 32) + 1) << 32) - t.offset);
-    compact_span<G, P, kFmt, kMaster, S, kStates>(b, t, consts, lo, int32_t(end - lo), uint32_t(first >> 32),
-                                                  apply);
+    compact_span<G, P, kFmt, kMaster, S, kStates, kHealth>(b, t, consts, lo, int32_t(end - lo),
+                                                           uint32_t(first >> 32), apply, health, part);
     lo = end;
   }
 }

@@ -52,6 +52,19 @@ struct StepBufs {
   int64_t scale_blocks = 0;
 };
 
+// The health sums a step call writes when asked (the pack's health slot; reference_common.HealthSums).
+struct HealthSink {
+  double* out;      // [5]: grad_sq, update_sq, weight_sq, stagnant, nonfinite
+  float inv_scale;  // the gradients' numbers are those of g * inv_scale (unscaled, before the clip)
+  bool decays;      // the step decays the weights besides its term (lr * weight_decay != 0)
+};
+
+// One unit of parallel work's health sums, added into HealthSink::out in work order.
+struct HealthPart {
+  double g2 = 0.0, u2 = 0.0, w2 = 0.0;
+  int64_t stagnant = 0;
+};
+
 #define AMPFUSED_CPU_ISA_API(ns)                                                                      \
   namespace ns {                                                                                    \
   void norm_check(const Buf* bufs, int64_t nbufs, const int64_t* first_chunk, float inv_scale,      \

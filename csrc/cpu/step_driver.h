@@ -56,15 +56,69 @@ inline StepBufs bufs_of(const StepArgs& a) {
                   a.state_scales, a.scale_blocks};
 }
 
+// The stored weight of element i of t (reference_common: the master, rebuilt from weight and remainder, or
+// the parameter), fp32.
+inline float stored_weight(const StepArgs& a, const StepTensor& t, int64_t i) {
+  if (a.master_format == kMasterRemainder) {
+    return join_master_bits(static_cast<const uint16_t*>(t.param)[i],
+                            reinterpret_cast<const uint16_t*>(a.master)[t.offset + i]);
+  }
+  if (a.master) return a.master[t.offset + i];
+  float w = 0.0f;
+  with_type(a.param_dtype, [&](auto tag) { w = to_f32(static_cast<const decltype(tag)*>(t.param)[i]); });
+  return w;
+}
+
+// The health sums of a skipped step: its gradients' numbers, no update, the weights as they stay (in row
+// order, one thread: a skipped step is rare).
+inline void skipped_health(const StepArgs& a, const std::vector<int64_t>& rows, const HealthSink& h) {
+  double g2 = 0.0, w2 = 0.0, bad = 0.0;
+  for (int64_t k : rows) {
+    const StepTensor t = tensor_of(a, k);
+    with_type(a.grad_dtype, [&](auto tag) {
+      const auto* g = static_cast<const decltype(tag)*>(t.grad);
+      for (int64_t i = 0; i < t.n; ++i) {
+        const float x = to_f32(g[i]);
+        const float u = x * h.inv_scale;
+        g2 += double(u) * double(u);
+        bad += double(nonfinite(x));
+      }
+    });
+    for (int64_t i = 0; i < t.n; ++i) {
+      const float w = stored_weight(a, t, i);
+      w2 += double(w) * double(w);
+    }
+  }
+  h.out[0] = g2;
+  h.out[2] = w2;
+  h.out[4] = bad;
+}
+
+// The pack's health sink (null when the call asks for no health sums); decay_rate: the weight decay the
+// step applies besides its term (0 where the decay is in the term, as Adam's L2 and SGD's).
+inline bool health_of(const StepPack& p, float lr, double decay_rate, HealthSink* h) {
+  double* out = p.ptr<double>(kSlot_health);
+  if (!out) return false;
+  for (int k = 0; k < 5; ++k) out[k] = 0.0;
+  *h = HealthSink{out, *p.args.inv_scale, decay_rate != 0.0 && lr != 0.0f};
+  return true;
+}
+
 // The flat-state step: prologue (skip on found_inf), per-parameter constants from each one's own step count
 // (make(coef, lr, step) -> Consts), the update over every parameter with a gradient (apply), and each such
-// parameter's step count advanced by one. Never on a skipped step.
+// parameter's step count advanced by one. Never on a skipped step. With health sums asked for, apply gets
+// the sink (else null); decay_rate as health_of.
 template <typename Consts, typename Make, typename Apply>
-void run_step(const StepPack& p, double max_norm, Make make, Apply apply) {
+void run_step(const StepPack& p, double max_norm, Make make, Apply apply, double decay_rate = 0.0) {
   check_flat_table(p);
   const StepArgs& a = p.args;
   float coef;
-  if (!prologue(a, max_norm, &coef)) return;
+  HealthSink sink;
+  const bool health = health_of(p, float(read_scalar(a.lr, a.lr_code)), decay_rate, &sink);
+  if (!prologue(a, max_norm, &coef)) {
+    if (health) skipped_health(a, active_rows(a), sink);
+    return;
+  }
   const float lr_f = float(read_scalar(a.lr, a.lr_code));
   const std::vector<int64_t> rows = active_rows(a);
   std::vector<StepTensor> ts;
@@ -77,7 +131,7 @@ void run_step(const StepPack& p, double max_norm, Make make, Apply apply) {
     ts.push_back(t);
     cs.push_back(make(coef, lr_f, step));
   }
-  apply(bufs_of(a), ts.data(), cs.data(), int64_t(ts.size()), threads_of(p));
+  apply(bufs_of(a), ts.data(), cs.data(), int64_t(ts.size()), threads_of(p), health ? &sink : nullptr);
   for (int64_t k : rows) add_one(scalar_at(a.steps, a.step_code, k), a.step_code);
 }
 

@@ -40,8 +40,9 @@ void adam_range(const StepBufs& b, const StepTensor& t, const AdamConsts& consts
   }
 }
 
-void adam_apply(const StepBufs& b, const StepTensor* ts, const AdamConsts* c, int64_t count, int nthreads) {
-  if (is_compact(b)) {
+void adam_apply(const StepBufs& b, const StepTensor* ts, const AdamConsts* c, int64_t count, int nthreads,
+                const HealthSink* health) {
+  if (is_compact(b) || health) {
     // every tensor's constants in the common form: its loops of their own, as the fp32 state's (same bits)
     bool plain = true;
     for (int64_t k = 0; k < count; ++k) plain = plain && !c[k].use_l2 && c[k].lerp_small && !c[k].maximize;
@@ -49,12 +50,12 @@ void adam_apply(const StepBufs& b, const StepTensor* ts, const AdamConsts* c, in
       using G = decltype(gtag);
       if (plain) {
         compact_apply<G, 2>(b, ts, c, count, nthreads, [](float g, float& w, float& m, float& v, const AdamConsts& k) {
-          adam_update_form<true, false>(g, w, m, v, k);
-        });
+          return adam_update_form<true, false>(g, w, m, v, k);
+        }, health);
       } else {
         compact_apply<G, 2>(b, ts, c, count, nthreads, [](float g, float& w, float& m, float& v, const AdamConsts& k) {
-          adam_update(g, w, m, v, k);
-        });
+          return adam_update(g, w, m, v, k);
+        }, health);
       }
     });
     return;
@@ -87,13 +88,15 @@ void adam_step(const StepPack& p) {
   run_step<AdamConsts>(p, max_norm, [&](float coef, float lr, double step) {
     return make_adam_consts(coef, lr, float(next_step(step)), beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
                             decoupled, maximize);
-  }, adam_apply);
+  }, adam_apply, decoupled ? weight_decay : 0.0);
 }
 
 }  // namespace
 
 AMPFUSED_CPU_STEP("adam_step_", adam_step, "beta1", "beta2", "eps", "weight_decay", "max_norm", "decoupled",
                   "maximize");
+// the entry writes a call's health sums when it asks for them (step_driver.h: run_step)
+AMPFUSED_STEP_CONSTANT(HEALTH_adam_step_, 1);
 
 }  // namespace AMPFUSED_ISA
 }  // namespace cpu

@@ -27,13 +27,14 @@ void lion_range(const StepBufs& b, const StepTensor& t, const LionConsts& consts
   else update_range(lo, hi, update);
 }
 
-void lion_apply(const StepBufs& b, const StepTensor* ts, const LionConsts* c, int64_t count, int nthreads) {
-  if (is_compact(b)) {
+void lion_apply(const StepBufs& b, const StepTensor* ts, const LionConsts* c, int64_t count, int nthreads,
+                const HealthSink* health) {
+  if (is_compact(b) || health) {
     with_type(b.grad_dtype, [&](auto gtag) {
       compact_apply<decltype(gtag), 1>(b, ts, c, count, nthreads,
                                        [](float g, float& w, float& m, float&, const LionConsts& k) {
-                                         lion_update(g, w, m, k);
-                                       });
+                                         return lion_update(g, w, m, k);
+                                       }, health);
     });
     return;
   }
@@ -55,12 +56,14 @@ void lion_step(const StepPack& p) {
   // the step count is not in Lion's math (it keys only the stochastic rounding's draws)
   run_step<LionConsts>(p, max_norm, [&](float coef, float lr, double) {
     return make_lion_consts(coef, lr, beta1, beta2, weight_decay, maximize);
-  }, lion_apply);
+  }, lion_apply, weight_decay);
 }
 
 }  // namespace
 
 AMPFUSED_CPU_STEP("lion_step_", lion_step, "beta1", "beta2", "weight_decay", "max_norm", "maximize");
+// the entry writes a call's health sums when it asks for them (step_driver.h: run_step)
+AMPFUSED_STEP_CONSTANT(HEALTH_lion_step_, 1);
 
 }  // namespace AMPFUSED_ISA
 }  // namespace cpu

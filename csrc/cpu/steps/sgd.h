@@ -27,21 +27,22 @@ void sgd_range(const StepBufs& b, const StepTensor& t, const SgdConsts& consts, 
   else update_range(lo, hi, update);
 }
 
-void sgd_apply(const StepBufs& b, const StepTensor* ts, const SgdConsts* c, int64_t count, int nthreads) {
-  if (is_compact(b)) {
+void sgd_apply(const StepBufs& b, const StepTensor* ts, const SgdConsts* c, int64_t count, int nthreads,
+               const HealthSink* health) {
+  if (is_compact(b) || health) {
     const auto momentum = [](float g, float& w, float& m, float&, const SgdConsts& k) {
       SgdConsts kk = k;
       kk.use_momentum = 1;
-      sgd_update(g, w, m, kk);
+      return sgd_update(g, w, m, kk);
     };
     const auto plain = [](float g, float& w, float& m, float&, const SgdConsts& k) {
       SgdConsts kk = k;
       kk.use_momentum = 0;
-      sgd_update(g, w, m, kk);
+      return sgd_update(g, w, m, kk);
     };
     with_type(b.grad_dtype, [&](auto gtag) {
-      if (b.state1) compact_apply<decltype(gtag), 1>(b, ts, c, count, nthreads, momentum);
-      else compact_apply<decltype(gtag), 0>(b, ts, c, count, nthreads, plain);
+      if (b.state1) compact_apply<decltype(gtag), 1>(b, ts, c, count, nthreads, momentum, health);
+      else compact_apply<decltype(gtag), 0>(b, ts, c, count, nthreads, plain, health);
     });
     return;
   }
@@ -81,6 +82,8 @@ void sgd_step(const StepPack& pack) {
 
 AMPFUSED_CPU_STEP("sgd_step_", sgd_step, "momentum", "dampening", "weight_decay", "nesterov", "max_norm",
                   "maximize");
+// the entry writes a call's health sums when it asks for them (step_driver.h: run_step)
+AMPFUSED_STEP_CONSTANT(HEALTH_sgd_step_, 1);
 
 }  // namespace AMPFUSED_ISA
 }  // namespace cpu

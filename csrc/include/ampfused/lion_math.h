@@ -30,14 +30,16 @@ AF_HD LionConsts make_lion_consts(float coef, float lr, double beta1, double bet
 }
 
 // reference.lion_step_, one element: w and the moment m updated in place. sign(c) is (c > 0) - (c < 0), as
-// torch.sign on the CPU (0 for 0 and NaN).
-AF_HD void lion_update(float g, float& w, float& m, const LionConsts& c) {
+// torch.sign on the CPU (0 for 0 and NaN). Returns the update's term (lr * sign(c)).
+AF_HD float lion_update(float g, float& w, float& m, const LionConsts& c) {
   g = g * c.coef;
   g = c.maximize ? -g : g;
   const float cm = lerp_torch(m, g, c.lerp_w1, c.small1 != 0);
   const float u = float(cm > 0.0f) - float(cm < 0.0f);
-  w = w * c.decay - c.lr * u;
+  const float term = c.lr * u;
+  w = w * c.decay - term;
   m = lerp_torch(m, g, c.lerp_w2, c.small2 != 0);
+  return term;
 }
 
 }  // namespace ampfused

@@ -211,9 +211,10 @@ AF_HD AdamConsts make_adam_consts(float coef, float lr, float t, double beta1, d
 // reference.adam_step_, one element: g is the raw gradient in fp32; w, m, v are updated in place. With kPlain
 // the step's form is known when compiling: no L2 term (use_l2 == 0), lerp's small-weight form (lerp_small ==
 // 1) and maximize == kMaximize, so the selects fold away; the operations and their order are the same, so
-// are the bits. The CPU kernels run that form when a step's constants allow.
+// are the bits. The CPU kernels run that form when a step's constants allow. Returns the update's term (what
+// is subtracted from the decayed weight), which the health sums read (reference_common.moved).
 template <bool kPlain, bool kMaximize = false>
-AF_HD void adam_update_form(float g, float& w, float& m, float& v, const AdamConsts& c) {
+AF_HD float adam_update_form(float g, float& w, float& m, float& v, const AdamConsts& c) {
   const bool maximize = kPlain ? kMaximize : c.maximize != 0;
   const bool use_l2 = kPlain ? false : c.use_l2 != 0;
   const bool lerp_small = kPlain ? true : c.lerp_small != 0;
@@ -227,14 +228,16 @@ AF_HD void adam_update_form(float g, float& w, float& m, float& v, const AdamCon
   const float vn = v * c.beta2 + (c.one_minus_beta2 * g) * g;
   // m_hat / (sqrt(v_hat) + eps) with numerator and denominator times sqrt(1 - beta2**t): one division
   const float denom = sqrtf(vn) + c.eps;
-  wn = wn - (c.step_size * mn) / denom;
+  const float term = (c.step_size * mn) / denom;
+  wn = wn - term;
   w = wn;
   m = mn;
   v = vn;
+  return term;
 }
 
-AF_HD void adam_update(float g, float& w, float& m, float& v, const AdamConsts& c) {
-  adam_update_form<false>(g, w, m, v, c);
+AF_HD float adam_update(float g, float& w, float& m, float& v, const AdamConsts& c) {
+  return adam_update_form<false>(g, w, m, v, c);
 }
 
 struct SgdConsts {
@@ -259,8 +262,8 @@ AF_HD SgdConsts make_sgd_consts(float coef, float lr, float step, double momentu
 }
 
 // reference.sgd_step_, one element: w and the momentum buffer b are updated in place (b untouched
-// without momentum).
-AF_HD void sgd_update(float g, float& w, float& b, const SgdConsts& c) {
+// without momentum); returns the update's term (lr * g).
+AF_HD float sgd_update(float g, float& w, float& b, const SgdConsts& c) {
   g = g * c.coef;
   g = c.maximize ? -g : g;
   g = c.use_wd ? g + c.weight_decay * w : g;
@@ -269,7 +272,9 @@ AF_HD void sgd_update(float g, float& w, float& b, const SgdConsts& c) {
     g = c.nesterov ? g + c.momentum * bn : bn;
     b = bn;
   }
-  w = w - c.lr * g;
+  const float term = c.lr * g;
+  w = w - term;
+  return term;
 }
 
 // ---- compact state (ampfused/ops/state_precision.py) ---------------------------------------------------

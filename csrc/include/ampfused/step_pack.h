@@ -36,7 +36,9 @@ namespace ampfused {
   X(tiles) X(items) X(colparts) X(scratch) X(col_chunk)                                                  \
   /* a step in phases (0: the whole step): a factored one's sums over whole parameters; a split step's */ \
   /* scratch between its passes (the scratch slot) and its fp64 lr factors, one per parameter */          \
-  X(phase) X(sums) X(ratios)
+  X(phase) X(sums) X(ratios)                                                                             \
+  /* the step's health sums (reference_common.HealthSums: fp64 [5]; 0: none) */                          \
+  X(health)
 // clang-format on
 
 enum StepSlot : int {
