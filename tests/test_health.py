@@ -102,7 +102,7 @@ def _backward(model, seed):
     model[2](model[1](model[0](x))).float().square().mean().backward()
 
 
-NATIVE = ("adam", "sgd", "lion")  # the optimizers whose CPU steps compute the sums
+NATIVE = ("adam", "sgd", "lion", "muon")  # the optimizers whose CPU steps compute the sums
 CASES = [(m, "reference") for m in sorted(MODES)] + [(m, "cpu") for m in sorted(MODES) if m.startswith(NATIVE)]
 
 
@@ -127,7 +127,8 @@ def test_each_number_is_what_the_weights_and_gradients_say(mode, backend):
 
 @pytest.mark.parametrize("mode, backend", [("adamw", "reference"), ("adamw-remainders", "reference"),
                                            ("lion", "reference"), ("muon", "reference"), ("adamw", "cpu"),
-                                           ("adamw-stochastic", "cpu"), ("sgd-momentum", "cpu")])
+                                           ("adamw-stochastic", "cpu"), ("sgd-momentum", "cpu"), ("muon", "cpu"),
+                                           ("muon-bf16-momentum", "cpu")])
 def test_a_skipped_step_reports_its_gradients_and_no_update(mode, backend):
     cls, options = MODES[mode]
     model = _model()

@@ -122,19 +122,16 @@ class HealthSums:
     * ``nonfinite``: gradient elements that are inf or NaN.
 
     Each element's square is formed in fp64 and the sums are fp64 (the fast backends sum fp32 squares per block,
-    within the tolerance rule). ``out=None``: nothing is summed."""
+    within the tolerance rule)."""
 
-    def __init__(self, out: Optional[Tensor], inv_scale: Tensor):
+    def __init__(self, out: Tensor, inv_scale: Tensor):
         self.out = out
         self.inv_scale = inv_scale
         self.skip: Optional[Tensor] = None
-        if out is not None:
-            out.zero_()
+        out.zero_()
 
     def gradient(self, g: Tensor) -> None:
         """A gradient the step reads (in any order of its elements)."""
-        if self.out is None:
-            return
         u = g.to(torch.promote_types(g.dtype, torch.float32)) * self.inv_scale
         self.out[0] += u.double().square().sum()
         self.out[4] += (~torch.isfinite(g)).sum()
@@ -142,8 +139,6 @@ class HealthSums:
     def weight(self, before: Tensor, after: Tensor, moved: Tensor) -> None:
         """A parameter's stored weight before and after the update (compute dtype), and where its update was
         not zero."""
-        if self.out is None:
-            return
         skip = self.skip
         b = before.double()
         d = (after - before).double()

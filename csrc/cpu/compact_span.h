@@ -54,10 +54,12 @@ constexpr int32_t kCompactBlock = 256;
 //    an integer max of its new moments, and a block whose codes are all normal is encoded by
 //    q8_encode_normal, any other by q8_encode.
 // With kHealth, each block also sums its health numbers into *part (reference_common.HealthSums; the step is
-// not skipped): apply returns the element's update term, and the update loop sums each element's numbers
-// beside its update (the weight it stores is its new fp32 value, which the remainders and an fp32 master hold
-// exactly); without a master the stored weight is the stochastically rounded one, summed where it is stored.
-template <typename G, typename P, int kFmt, bool kMaster, typename S, int kStates, bool kHealth = false,
+// not skipped): the gradients' (kHealthGrads) and the weights' (kHealthWeights: apply returns the element's
+// update term). The update loop sums each element's numbers beside its update (the weight it stores is its new
+// fp32 value, which the remainders and an fp32 master hold exactly); without a master the stored weight is the
+// stochastically rounded one, summed where it is stored. A split step sums its gradients in its first pass and
+// its weights in its second.
+template <typename G, typename P, int kFmt, bool kMaster, typename S, int kStates, int kHealth = 0,
           typename Consts, typename Apply>
 AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& consts, int64_t lo, int32_t n,
                         uint32_t index_high, Apply apply, const HealthSink* health = nullptr,
@@ -102,8 +104,9 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
     }
   };
   alignas(64) float wb[kCompactBlock], ab[kCompactBlock], cb[kCompactBlock];
-  // kHealth without a master: each element's weight as loaded and its update's term, for the stores
-  constexpr bool kHealthAtStore = kHealth && kFmt == kMasterNone;
+  constexpr bool kSumGrads = (kHealth & kHealthGrads) != 0, kSumWeights = (kHealth & kHealthWeights) != 0;
+  // the weights' sums without a master: each element's weight as loaded and its update's term, for the stores
+  constexpr bool kHealthAtStore = kSumWeights && kFmt == kMasterNone;
   alignas(64) float before[kHealthAtStore ? kCompactBlock : 1], terms[kHealthAtStore ? kCompactBlock : 1];
   const float inv_scale = kHealth ? health->inv_scale : 0.0f;
   const bool decays = kHealth && health->decays;
@@ -140,11 +143,13 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
       float a = 0.0f, c = 0.0f;
       if constexpr (kStates >= 1) a = kQ8State ? ab[j] : (kBf16State ? f32_from_bits(uint32_t(h1[e]) << 16) : f1[e]);
       if constexpr (kStates >= 2) c = kQ8State ? cb[j] : (kBf16State ? f32_from_bits(uint32_t(h2[e]) << 16) : f2[e]);
-      if constexpr (kHealth) {
+      if constexpr (kSumWeights) {
         const float gx = to_f32(g[e]), w0 = w;
         const float term = apply(gx, w, a, c, k);
-        const float u = gx * inv_scale;
-        g2 += u * u;
+        if constexpr (kSumGrads) {
+          const float u = gx * inv_scale;
+          g2 += u * u;
+        }
         if constexpr (kHealthAtStore) {
           before[j] = w0;
           terms[j] = term;
@@ -155,7 +160,12 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
           stagnant += (w == w0 && (term != 0.0f || (decays && w0 != 0.0f))) ? 1 : 0;
         }
       } else {
-        apply(to_f32(g[e]), w, a, c, k);
+        const float gx = to_f32(g[e]);
+        apply(gx, w, a, c, k);
+        if constexpr (kSumGrads) {
+          const float u = gx * inv_scale;
+          g2 += u * u;
+        }
       }
       if constexpr (kStates >= 1 && !kBf16State && !kQ8State) f1[e] = a;
       if constexpr (kStates >= 2 && !kBf16State && !kQ8State) f2[e] = c;
@@ -255,7 +265,7 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
 
 // Elements [lo, hi) of one parameter (at most kStepBlock of them), in spans whose flat indices (offset + i)
 // share their high 32 bits.
-template <typename G, typename P, int kFmt, bool kMaster, typename S, int kStates, bool kHealth = false,
+template <typename G, typename P, int kFmt, bool kMaster, typename S, int kStates, int kHealth = 0,
           typename Consts, typename Apply>
 void compact_range(const StepBufs& b, const StepTensor& t, const Consts& consts, int64_t lo, int64_t hi,
                    Apply apply, const HealthSink* health = nullptr, HealthPart* part = nullptr) {

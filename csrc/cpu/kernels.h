@@ -59,6 +59,9 @@ struct HealthSink {
   bool decays;      // the step decays the weights besides its term (lr * weight_decay != 0)
 };
 
+// What a pass sums of the health numbers (compact_span's kHealth): its gradients', its weights', or both.
+constexpr int kHealthGrads = 1, kHealthWeights = 2, kHealthAll = 3;
+
 // One unit of parallel work's health sums, added into HealthSink::out in work order.
 struct HealthPart {
   double g2 = 0.0, u2 = 0.0, w2 = 0.0;

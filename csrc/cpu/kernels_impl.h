@@ -267,36 +267,50 @@ void parallel_blocks(const StepTensor* ts, int64_t count, int nthreads, F&& fn) 
   }
 }
 
-// The compact step over every tensor: G the gradients' type, kStates the moments a step keeps (0-2), cs[k]
-// tensor k's constants, apply the element update (returning its term). Dispatches the master format and the
-// moments' storage. With a health sink (health != null; any state, the fp32 one included, then runs here),
-// each unit of work sums its elements' numbers and the units are added in work order: the sums do not depend
-// on the thread count.
-template <typename G, int kStates, typename Consts, typename Apply>
-void compact_apply(const StepBufs& b, const StepTensor* ts, const Consts* cs, int64_t count, int nthreads,
-                   Apply apply, const HealthSink* health = nullptr) {
-  std::vector<int64_t> first_work;  // unit of work of each tensor's first block (parallel_blocks' order)
+// The health sums of a pass over every tensor, one part per unit of parallel_blocks' work (tensor k's block at
+// lo), added into the sink in work order: the sums do not depend on the thread count.
+struct HealthWork {
+  std::vector<int64_t> first;  // unit of work of each tensor's first block
   std::vector<HealthPart> parts;
-  if (health) {
-    first_work.resize(size_t(count));
+
+  HealthWork(const StepTensor* ts, int64_t count) : first(size_t(count)) {
     int64_t units = 0;
     for (int64_t k = 0; k < count; ++k) {
-      first_work[size_t(k)] = units;
+      first[size_t(k)] = units;
       units += (ts[k].n + kStepBlock - 1) / kStepBlock;
     }
     parts.resize(size_t(units));
   }
+  HealthPart* at(int64_t k, int64_t lo) { return &parts[size_t(first[size_t(k)] + lo / kStepBlock)]; }
+  void add_to(const HealthSink& h) const {
+    for (const HealthPart& q : parts) {
+      h.out[0] += q.g2;
+      h.out[1] += q.u2;
+      h.out[2] += q.w2;
+      h.out[3] += double(q.stagnant);
+    }
+  }
+};
+
+// The compact step over every tensor: G the gradients' type, kStates the moments a step keeps (0-2), cs[k]
+// tensor k's constants, apply the element update (returning its term). Dispatches the master format and the
+// moments' storage. With a health sink (health != null; any state, the fp32 one included, then runs here),
+// each unit of work sums its elements' numbers (HealthWork).
+template <typename G, int kStates, typename Consts, typename Apply>
+void compact_apply(const StepBufs& b, const StepTensor* ts, const Consts* cs, int64_t count, int nthreads,
+                   Apply apply, const HealthSink* health = nullptr) {
+  HealthWork work(ts, health ? count : 0);
   const auto run = [&](auto ptag, auto fmt, auto stag) {
     using P = decltype(ptag);
     using S = decltype(stag);
     constexpr int kFmt = decltype(fmt)::value;
     parallel_blocks(ts, count, nthreads, [&](int64_t k, int64_t lo, int64_t hi, bool) {
       if (health) {
-        HealthPart* part = &parts[size_t(first_work[size_t(k)] + lo / kStepBlock)];
+        HealthPart* part = work.at(k, lo);
         if (kFmt == kMasterF32 && b.master) {
-          compact_range<G, P, kFmt, true, S, kStates, true>(b, ts[k], cs[k], lo, hi, apply, health, part);
+          compact_range<G, P, kFmt, true, S, kStates, kHealthAll>(b, ts[k], cs[k], lo, hi, apply, health, part);
         } else {
-          compact_range<G, P, kFmt, false, S, kStates, true>(b, ts[k], cs[k], lo, hi, apply, health, part);
+          compact_range<G, P, kFmt, false, S, kStates, kHealthAll>(b, ts[k], cs[k], lo, hi, apply, health, part);
         }
       } else if (kFmt == kMasterF32 && b.master) {
         compact_range<G, P, kFmt, true, S, kStates>(b, ts[k], cs[k], lo, hi, apply);
@@ -316,15 +330,7 @@ void compact_apply(const StepBufs& b, const StepTensor* ts, const Consts* cs, in
     else if (b.state_dtype == kBF16 || !health) run(ptag, fmt, bf16_t{});
     else run(ptag, fmt, float{});
   };
-  const auto add_parts = [&]() {
-    if (!health) return;
-    for (const HealthPart& q : parts) {
-      health->out[0] += q.g2;
-      health->out[1] += q.u2;
-      health->out[2] += q.w2;
-      health->out[3] += double(q.stagnant);
-    }
-  };
+
   if (b.master_format == kMasterRemainder) {
     with_state(bf16_t{}, std::integral_constant<int, kMasterRemainder>{});
   } else if (b.master_format == kMasterNone) {
@@ -334,7 +340,7 @@ void compact_apply(const StepBufs& b, const StepTensor* ts, const Consts* cs, in
   } else {
     with_type(b.param_dtype, [&](auto ptag) { compact_moments(ptag, std::integral_constant<int, kMasterF32>{}); });
   }
-  add_parts();
+  if (health) work.add_to(*health);
 }
 
 inline bool is_compact(const StepBufs& b) {

@@ -43,9 +43,10 @@ void muon_momentum_range(const StepBufs& b, const StepTensor& t, const SplitMome
 }
 
 // Phase 1 over every parameter, with the step's one set of constants: ts[k].param is its piece of the scratch.
+// With a health sink, the compact loop (an fp32 momentum too) sums the gradients' numbers.
 void muon_momentum_apply(const StepBufs& b, const StepTensor* ts, const SplitMomentumConsts& c, int64_t count,
-                         int nthreads) {
-  if (b.state_dtype != kBF16 && b.state_dtype != kStateU8) {
+                         int nthreads, const HealthSink* health) {
+  if (b.state_dtype != kBF16 && b.state_dtype != kStateU8 && !health) {
     with_type(b.grad_dtype, [&](auto gtag) {
       parallel_blocks(ts, count, nthreads, [&](int64_t k, int64_t lo, int64_t hi, bool st) {
         muon_momentum_range<decltype(gtag)>(b, ts[k], c, lo, hi, st);
@@ -53,6 +54,7 @@ void muon_momentum_apply(const StepBufs& b, const StepTensor* ts, const SplitMom
     });
     return;
   }
+  HealthWork work(ts, health ? count : 0);
   const auto run = [&](auto gtag, auto stag, auto form) {
     using G = decltype(gtag);
     using S = decltype(stag);
@@ -61,7 +63,12 @@ void muon_momentum_apply(const StepBufs& b, const StepTensor* ts, const SplitMom
       u = split_momentum_form<kForm>(g, m, k);
     };
     parallel_blocks(ts, count, nthreads, [&](int64_t k, int64_t lo, int64_t hi, bool) {
-      compact_range<G, bf16_t, kMasterF32, false, S, 1>(b, ts[k], c, lo, hi, apply);
+      if (health) {
+        compact_range<G, bf16_t, kMasterF32, false, S, 1, kHealthGrads>(b, ts[k], c, lo, hi, apply, health,
+                                                                        work.at(k, lo));
+      } else {
+        compact_range<G, bf16_t, kMasterF32, false, S, 1>(b, ts[k], c, lo, hi, apply);
+      }
     });
   };
   const int form = split_momentum_form_of(c);  // (the step's: the same for every parameter)
@@ -72,8 +79,10 @@ void muon_momentum_apply(const StepBufs& b, const StepTensor* ts, const SplitMom
       else run(gtag, stag, std::integral_constant<int, kSplitAny>{});
     };
     if (b.state_dtype == kBF16) with_form(bf16_t{});
-    else with_form(uint8_t{});
+    else if (b.state_dtype == kStateU8) with_form(uint8_t{});
+    else with_form(float{});
   });
+  if (health) work.add_to(*health);
 }
 
 template <typename P, bool kMaster>
@@ -92,11 +101,39 @@ void muon_update_range(const StepBufs& b, const StepTensor& t, const SplitUpdate
   else update_range(lo, hi, update);
 }
 
-// Phase 2 over every parameter: ts[k].grad is its piece of the scratch (b has no moments).
+// Phase 2 over every parameter: ts[k].grad is its piece of the scratch (b has no moments). With a health sink,
+// the compact loop (an fp32 master or parameter too) sums the weights' numbers.
 void muon_update_apply(const StepBufs& b, const StepTensor* ts, const SplitUpdateConsts* c, int64_t count,
-                       int nthreads) {
+                       int nthreads, const HealthSink* health) {
+  const auto apply = [](float o, float& w, float&, float&, const SplitUpdateConsts& k) {
+    return split_update(o, w, k);
+  };
+  if (health) {
+    HealthWork work(ts, count);
+    const auto run = [&](auto ptag, auto fmt, auto master) {
+      using P = decltype(ptag);
+      constexpr int kFmt = decltype(fmt)::value;
+      constexpr bool kMaster = decltype(master)::value;
+      parallel_blocks(ts, count, nthreads, [&](int64_t k, int64_t lo, int64_t hi, bool) {
+        compact_range<bf16_t, P, kFmt, kMaster, float, 0, kHealthWeights>(b, ts[k], c[k], lo, hi, apply, health,
+                                                                          work.at(k, lo));
+      });
+    };
+    if (b.master_format == kMasterRemainder) {
+      run(bf16_t{}, std::integral_constant<int, kMasterRemainder>{}, std::false_type{});
+    } else if (b.master_format == kMasterNone) {
+      run(bf16_t{}, std::integral_constant<int, kMasterNone>{}, std::false_type{});
+    } else if (!b.master) {
+      run(float{}, std::integral_constant<int, kMasterF32>{}, std::false_type{});
+    } else {
+      with_type(b.param_dtype, [&](auto ptag) {
+        run(ptag, std::integral_constant<int, kMasterF32>{}, std::true_type{});
+      });
+    }
+    work.add_to(*health);
+    return;
+  }
   if (b.master_format != kMasterF32) {
-    const auto apply = [](float o, float& w, float&, float&, const SplitUpdateConsts& k) { split_update(o, w, k); };
     const auto run = [&](auto fmt) {
       constexpr int kFmt = decltype(fmt)::value;
       parallel_blocks(ts, count, nthreads, [&](int64_t k, int64_t lo, int64_t hi, bool) {
@@ -132,9 +169,21 @@ void muon_step(const StepPack& p) {
   if (!rows.empty() && (scratch == nullptr || (phase == 2 && ratios == nullptr))) {
     throw std::invalid_argument("muon_step_'s passes need their scratch (and, in phase 2, the lr factors)");
   }
-  float coef;
-  if (!prologue(a, max_norm, &coef)) return;
+  // the health sums: the gradients' in phase 1 (which writes the row first), the weights' in phase 2
   const double lr = read_scalar(a.lr, a.lr_code);
+  HealthSink sink;
+  bool health = false;
+  if (phase == 1) {
+    health = health_of(p, float(lr), weight_decay, &sink);
+  } else if (double* out = p.ptr<double>(kSlot_health)) {
+    health = true;
+    sink = HealthSink{out, *a.inv_scale, weight_decay != 0.0 && float(lr) != 0.0f};
+  }
+  float coef;
+  if (!prologue(a, max_norm, &coef)) {
+    if (health && phase == 1) skipped_health(a, rows, sink);
+    return;
+  }
   const uint64_t seed = a.seed ? uint64_t(*a.seed) : 0;
   std::vector<StepTensor> ts;
   for (int64_t k : rows) {
@@ -151,20 +200,22 @@ void muon_step(const StepPack& p) {
     b.master_format = kMasterF32;
     b.param_dtype = kBF16;
     muon_momentum_apply(b, ts.data(), make_split_momentum_consts(coef, momentum, nesterov), int64_t(ts.size()),
-                        threads_of(p));
+                        threads_of(p), health ? &sink : nullptr);
     return;
   }
   b.state1 = nullptr;  // (the momentum is not touched)
   b.grad_dtype = kBF16;
   std::vector<SplitUpdateConsts> cs;
   for (int64_t k : rows) cs.push_back(make_split_update_consts(lr, weight_decay, ratios[k]));
-  muon_update_apply(b, ts.data(), cs.data(), int64_t(ts.size()), threads_of(p));
+  muon_update_apply(b, ts.data(), cs.data(), int64_t(ts.size()), threads_of(p), health ? &sink : nullptr);
   for (int64_t k : rows) add_one(scalar_at(a.steps, a.step_code, k), a.step_code);
 }
 
 }  // namespace
 
 AMPFUSED_CPU_STEP("muon_step_", muon_step, "momentum", "nesterov", "weight_decay", "max_norm");
+// the entry writes a call's health sums when it asks for them (the gradients' in phase 1, the weights' in 2)
+AMPFUSED_STEP_CONSTANT(HEALTH_muon_step_, 1);
 
 }  // namespace AMPFUSED_ISA
 }  // namespace cpu

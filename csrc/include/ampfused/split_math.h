@@ -74,9 +74,12 @@ AF_HD SplitUpdateConsts make_split_update_consts(double lr, double weight_decay,
 
 // The second pass, one element: o is the function's output (a bf16 value), w the weight (its master).
 //   w = w * decay - step * o
-AF_HD void split_update(float o, float& w, const SplitUpdateConsts& c) {
+// Returns the update's term (step * o), which the health sums read.
+AF_HD float split_update(float o, float& w, const SplitUpdateConsts& c) {
   const float wd = c.use_decay ? w * c.decay : w;
-  w = wd - c.step * o;
+  const float term = c.step * o;
+  w = wd - term;
+  return term;
 }
 
 }  // namespace ampfused
