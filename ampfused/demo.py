@@ -161,11 +161,11 @@ def _fp16_unscale() -> None:
 
 
 def _health(model: torch.nn.Module, steps: int, every: int, plot: str = "") -> bool:
-    """FusedAdamW(health=True) on the bf16 MLP: per group, the update-to-weight ratio beside the loss. Its
-    numbers come from the step's own sums, on the reference backend (the native ones do not compute them yet)."""
+    """FusedAdamW(health=True) on the bf16 MLP: per group, the update-to-weight ratio beside the loss, from the
+    step's own sums (the CPU backend's)."""
     model = copy.deepcopy(model).bfloat16()
     groups = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters()), "lr": 3e-4}]
-    opt = ampfused.FusedAdamW(groups, lr=3e-3, weight_decay=0.01, backend="reference", health=True)
+    opt = ampfused.FusedAdamW(groups, lr=3e-3, weight_decay=0.01, health=True)
     names = ("hidden", "head")
     print(f"{'step':>5} | {'loss':>8} | " + " | ".join(f"{n + ' update/weight':>20} {'grad norm':>9} {'stagnant':>8}"
                                                       for n in names))

@@ -32,8 +32,8 @@ def health_metrics(optimizers: Sequence[torch.optim.Optimizer], prefix: str = "h
     """The last step's training-health numbers of those of ``optimizers`` built with ``health=True`` (through
     framework wrappers), as flat metrics: ``{prefix}/group{i}/{name}`` per param group ``i`` (``{prefix}/opt{k}/
     group{i}/{name}`` where several optimizers have them), ``name`` each key of ``opt.health()`` and
-    ``update_to_weight`` (the update's norm over the weights'). Values are 0-d fp32 device tensors: nothing is
-    read until the framework logs them."""
+    ``update_to_weight`` (the update's norm over the weights'; 0 for a group whose step updated nothing). Values
+    are 0-d fp32 device tensors: nothing is read until the framework logs them."""
     fused = [f for f in (fused_optimizer(o) for o in optimizers) if f is not None and f.health_enabled]
     out: Dict[str, Tensor] = {}
     for k, opt in enumerate(fused):
@@ -41,7 +41,8 @@ def health_metrics(optimizers: Sequence[torch.optim.Optimizer], prefix: str = "h
         for gi, h in enumerate(opt.health()):
             for name, v in h.items():
                 out[f"{where}/group{gi}/{name}"] = v.float()
-            out[f"{where}/group{gi}/update_to_weight"] = h["update_norm"] / h["weight_norm"]
+            weight = h["weight_norm"]
+            out[f"{where}/group{gi}/update_to_weight"] = h["update_norm"] / torch.where(weight > 0, weight, 1.0)
     return out
 
 

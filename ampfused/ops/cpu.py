@@ -123,14 +123,9 @@ class CpuBackend(Backend):
         """Whether the module's entry of ``op`` writes a call's health sums (the pack's health slot): its step
         file registers ``HEALTH_<op>`` (``csrc/cpu/steps``)."""
         try:
-            mod = self._mod()
+            return op in _A.packer(self._mod()).health_ops
         except ImportError:
             return False
-        found = _HEALTH_OPS.get(id(mod))
-        if found is None or found[0] is not mod:
-            found = _HEALTH_OPS[id(mod)] = (mod, {k[len("HEALTH_"):] for k, v in mod.step_constants().items()
-                                                  if k.startswith("HEALTH_") and v})
-        return op in found[1]
 
     def has_step(self, op: str) -> bool:
         """Whether the module has an entry for ``op`` (False when it cannot load: ``unavailable_reason`` says why)."""
@@ -237,7 +232,5 @@ class CpuBackend(Backend):
             return dict(threads=torch.get_num_threads(), table=table[0])
         return dict(threads=torch.get_num_threads(), rows=(rows,))
 
-
-_HEALTH_OPS: dict = {}  # id(module) -> (module, the ops whose entries write health sums)
 
 BACKEND = CpuBackend()

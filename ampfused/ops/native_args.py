@@ -182,6 +182,9 @@ class Packer:
         self.index = {name: i for i, name in enumerate(mod.STEP_SLOTS)}
         self.size = len(self.index)
         self.hypers = {op: tuple(names) for op, names in mod.step_ops().items()}
+        # the ops whose entries write a call's health sums: their step files register HEALTH_<op>
+        self.health_ops = frozenset(k[len("HEALTH_"):] for k, v in mod.step_constants().items()
+                                    if k.startswith("HEALTH_") and v)
 
     def slots(self, *parts: dict) -> List[int]:
         """One int per slot from ``parts`` (dicts of slot values; ``rows`` and names starting with ``_``, the

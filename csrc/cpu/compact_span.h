@@ -110,6 +110,16 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
   alignas(64) float before[kHealthAtStore ? kCompactBlock : 1], terms[kHealthAtStore ? kCompactBlock : 1];
   const float inv_scale = kHealth ? health->inv_scale : 0.0f;
   const bool decays = kHealth && health->decays;
+  // kHealthAtStore: element e's sums from its weight as stored (j: its place in the block)
+  struct StoredSums {
+    float d2, a2;
+    int32_t stagnant;
+  };
+  const auto stored_sums = [&](int32_t e, int32_t j) {
+    const float after = f32_from_bits(uint32_t(pw[e]) << 16), d = after - before[j];
+    const bool moved = terms[j] != 0.0f || (decays && before[j] != 0.0f);
+    return StoredSums{d * d, after * after, (after == before[j] && moved) ? 1 : 0};
+  };
   // 8-bit moments without a master: each element's draw, hashed in the update loop for the weight and read back
   // by the encode pass for the moments (one hash per element)
   alignas(64) uint32_t rb[kQ8State && kFmt == kMasterNone ? kCompactBlock : 1];
@@ -177,11 +187,10 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
         if constexpr (kFmt == kMasterNone) r = rb[j] = random_bits_low(kw, index_low + uint32_t(e));
         store_weight(e, w, r, std::true_type{});
         if constexpr (kHealthAtStore) {
-          const float after = f32_from_bits(uint32_t(pw[e]) << 16), d = after - before[j];
-          u2 += d * d;
-          w2 += after * after;
-          const bool moved = terms[j] != 0.0f || (decays && before[j] != 0.0f);
-          stagnant += (after == before[j] && moved) ? 1 : 0;
+          const StoredSums q = stored_sums(e, j);
+          u2 += q.d2;
+          w2 += q.a2;
+          stagnant += q.stagnant;
         }
         // the extremes of |x| as bits (q8_abs_bits's NaN clamp is applied to them below: it is monotonic)
         if constexpr (kStates >= 1) big1 = std::max(big1, abs_bits(a)), small1 = std::min(small1, abs_bits(a));
@@ -240,11 +249,10 @@ AF_HD void compact_span(const StepBufs& b, const StepTensor& t, const Consts& co
           }
           store_weight(e, wb[j], r, careful);
           if constexpr (kHealthAtStore) {
-            const float after = f32_from_bits(uint32_t(pw[e]) << 16), d = after - before[j];
-            su2 += d * d;
-            sw2 += after * after;
-            const bool moved = terms[j] != 0.0f || (decays && before[j] != 0.0f);
-            sst += (after == before[j] && moved) ? 1 : 0;
+            const StoredSums q = stored_sums(e, j);
+            su2 += q.d2;
+            sw2 += q.a2;
+            sst += q.stagnant;
           }
         }
         u2 += su2;

@@ -114,13 +114,14 @@ void run_step(const StepPack& p, double max_norm, Make make, Apply apply, double
   const StepArgs& a = p.args;
   float coef;
   HealthSink sink;
-  const bool health = health_of(p, float(read_scalar(a.lr, a.lr_code)), decay_rate, &sink);
-  if (!prologue(a, max_norm, &coef)) {
-    if (health) skipped_health(a, active_rows(a), sink);
+  const float lr_f = float(read_scalar(a.lr, a.lr_code));
+  const bool health = health_of(p, lr_f, decay_rate, &sink);
+  const bool stepped = prologue(a, max_norm, &coef);
+  const std::vector<int64_t> rows = active_rows(a);
+  if (!stepped) {
+    if (health) skipped_health(a, rows, sink);
     return;
   }
-  const float lr_f = float(read_scalar(a.lr, a.lr_code));
-  const std::vector<int64_t> rows = active_rows(a);
   std::vector<StepTensor> ts;
   std::vector<Consts> cs;
   const uint64_t seed = a.seed ? uint64_t(*a.seed) : 0;
