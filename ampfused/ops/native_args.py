@@ -182,9 +182,16 @@ class Packer:
         self.index = {name: i for i, name in enumerate(mod.STEP_SLOTS)}
         self.size = len(self.index)
         self.hypers = {op: tuple(names) for op, names in mod.step_ops().items()}
-        # the ops whose entries write a call's health sums: their step files register HEALTH_<op>
-        self.health_ops = frozenset(k[len("HEALTH_"):] for k, v in mod.step_constants().items()
-                                    if k.startswith("HEALTH_") and v)
+        self._health_ops = None
+
+    @property
+    def health_ops(self) -> frozenset:
+        """The ops whose entries write a call's health sums (their step files register ``HEALTH_<op>``), read
+        from the module the first time they are asked for."""
+        if self._health_ops is None:
+            self._health_ops = frozenset(k[len("HEALTH_"):] for k, v in self.mod.step_constants().items()
+                                         if k.startswith("HEALTH_") and v)
+        return self._health_ops
 
     def slots(self, *parts: dict) -> List[int]:
         """One int per slot from ``parts`` (dicts of slot values; ``rows`` and names starting with ``_``, the
